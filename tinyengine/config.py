@@ -1,0 +1,127 @@
+"""EngineConfig: every knob a user can turn, with vLLM's names and defaults.
+
+Owns validation of engine-level settings and the resolution of "auto" values
+(dtype, device, max_model_len) once the model's config.json is known. Must not
+build anything: it only describes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""
+    tokenizer: str | None = None  # folder with tokenizer.json; defaults to `model`
+    dtype: str = "auto"  # "auto": the checkpoint's torch_dtype on CUDA, float32 on CPU
+    device: str = "auto"  # "auto": cuda when available
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_kv_blocks: int | None = None  # overrides KV sizing
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0  # KV budget on CPU, where there is no allocator to profile
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    attention_backend: str = "auto"  # "auto": triton on CUDA, torch on CPU
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.hf_overrides is None:
+            self.hf_overrides = {}
+        self._validate()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {unknown}; valid options are {sorted(known - {'model'})}"
+            )
+        return cls(model=model, **kwargs)
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", f"must be one of {_DTYPES}")
+        if self.device not in _DEVICES:
+            raise bad("device", f"must be one of {_DEVICES}")
+        if self.attention_backend not in _BACKENDS:
+            raise bad("attention_backend", f"must be one of {_BACKENDS}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise bad(name, "must be a positive integer")
+        if self.block_size & (self.block_size - 1):
+            raise bad("block_size", "must be a power of two")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise bad("max_model_len", "must be a positive integer or None")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", "must be a positive integer or None")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.cpu_kv_cache_gib <= 0:
+            raise bad("cpu_kv_cache_gib", "must be > 0")
+        if not isinstance(self.hf_overrides, dict):
+            raise bad("hf_overrides", "must be a dict merged into config.json")
+
+    # --- resolution of "auto" values (needs torch; imported lazily so the
+    # scheduling layer can import this module without torch) ---
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("EngineConfig.device is 'cuda' but no CUDA device is available")
+        return self.device
+
+    def resolved_attention_backend(self, device: str) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if device == "cuda" else "torch"
+
+    def resolved_dtype(self, hf_config: dict[str, Any], device: str):  # -> torch.dtype
+        import torch
+
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if device == "cpu":
+            # CPU matmuls in half precision are slow and inexact; fp32 is the CPU default.
+            return torch.float32
+        name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+        dtype = getattr(torch, str(name).replace("torch.", ""), torch.bfloat16)
+        return torch.bfloat16 if dtype == torch.float32 else dtype
+
+    def resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:
+        limit = hf_config.get("max_position_embeddings")
+        if self.max_model_len is None:
+            if limit is None:
+                raise ValueError(
+                    "the model's config.json has no max_position_embeddings; set max_model_len"
+                )
+            self.max_model_len = int(limit)
+        elif (
+            limit is not None
+            and self.max_model_len > int(limit)
+            and not os.environ.get("TINYENGINE_ALLOW_LONG_MAX_MODEL_LEN")
+        ):
+            raise ValueError(
+                f"EngineConfig.max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+        return self.max_model_len

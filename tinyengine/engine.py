@@ -1,0 +1,316 @@
+"""LLMEngine and LLM: the engine loop, and the offline `LLM.generate` API.
+
+Owns the life of a request from its arrival to its final output: validation
+and tokenization on the way in; per step, scheduler -> runner -> scheduler
+update; then detokenization, stop checks and output building on the way out.
+One step reads top-down in `LLMEngine.step`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from models.loader import load_hf_config
+from tinyengine.config import EngineConfig
+from tinyengine.detokenizer import IncrementalDetokenizer, find_stop_string
+from tinyengine.outputs import CompletionOutput, Logprob, RequestOutput
+from tinyengine.sampling_params import SamplingParams
+from tinyengine.scheduling.block_manager import BlockManager
+from tinyengine.scheduling.request import Request, RequestStatus
+from tinyengine.scheduling.scheduler import Scheduler
+from tinyengine.tokenizer import Tokenizer, load_tokenizer_if_present
+from tinyengine.worker.runner import ModelRunner
+
+PromptType = str | dict[str, Any]
+
+
+@dataclass
+class _RequestState:
+    """What the engine keeps beside the scheduler's Request: text and logprobs."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        hf_config = load_hf_config(config.model, config.hf_overrides)
+        self.hf_config = hf_config
+        device = config.resolved_device()
+        dtype = config.resolved_dtype(hf_config, device)
+        config.resolve_max_model_len(hf_config)
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+
+        self.tokenizer: Tokenizer | None = load_tokenizer_if_present(
+            config.tokenizer or config.model
+        )
+        self.eos_token_ids = frozenset(
+            self.tokenizer.eos_token_ids
+            if self.tokenizer is not None
+            else _eos_token_ids_from_config(config.model, hf_config)
+        )
+        self.runner = ModelRunner(config, hf_config, device, dtype)
+        num_blocks = config.num_kv_blocks or self.runner.determine_num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(
+            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+
+    # --- requests in ---
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}; it must leave room for at least one output token"
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.runner.vocab_size})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model folder has none")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids)
+        self.scheduler.add_request(request)  # validates; raises before we keep any state
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        state = _RequestState(request, text, detok)
+        if params.logprobs is not None:
+            state.logprobs = []
+        self.states[request_id] = state
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self._encode(prompt["prompt"])
+        raise ValueError(
+            f"a prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model folder has no tokenizer files; pass prompts as "
+                "{'prompt_token_ids': [...]}"
+            )
+        return self.tokenizer.encode(text)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.runner.free_request(request_id)
+        self.states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- one step ---
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return an output for every request
+        that got a new token (cumulative text and token ids, as vLLM does)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        token_ids, sampled = self.runner.execute(plan)
+        self.scheduler.update_from_output(plan, token_ids)
+
+        outputs: list[RequestOutput] = []
+        row = 0  # the sampler's rows are the scheduled requests that sampled, in order
+        for sched, token_id in zip(plan.scheduled, token_ids, strict=True):
+            if token_id is None:
+                continue
+            state = self.states[sched.request.request_id]
+            if state.logprobs is not None and sampled is not None:
+                state.logprobs.append(self._logprobs(sampled.logprobs[row]))
+            row += 1
+            self._process_token(state, token_id)
+            outputs.append(self._make_output(state))
+        return outputs
+
+    def _process_token(self, state: _RequestState, token_id: int) -> None:
+        request = state.request
+        status = request.check_token_stop()
+        if state.detokenizer is not None:
+            delta = state.detokenizer.step(token_id)
+            state.text += delta
+            params = request.sampling_params
+            if params.stop and request.num_output_tokens >= params.min_tokens:
+                hit = find_stop_string(state.text, params.stop, len(delta))
+                if hit is not None:
+                    cut, stop = hit
+                    keep = cut + len(stop) if params.include_stop_str_in_output else cut
+                    state.text = state.text[:keep]
+                    request.stop_reason = stop
+                    status = RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self.runner.free_request(request.request_id)
+            del self.states[request.request_id]
+
+    def _logprobs(self, row: list[tuple[int, float, int]] | None) -> dict[int, Logprob]:
+        entries: dict[int, Logprob] = {}
+        for token_id, logprob, rank in row or []:
+            if token_id not in entries:
+                text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+                entries[token_id] = Logprob(logprob, rank, text)
+        return entries
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        request = state.request
+        completion = CompletionOutput(
+            index=0,
+            text=state.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    # --- introspection ---
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        bm = self.scheduler.block_manager
+        return {
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+            "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "num_steps": s.num_steps,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+
+class LLM:
+    """Offline inference, as in vLLM: `LLM(model, **engine_options).generate(prompts, params)`."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                ids.append(engine.add_request(prompt, params))
+        except Exception:
+            for request_id in ids:  # all or nothing: no half-submitted batch left behind
+                engine.abort_request(request_id)
+            raise
+
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        bar.update(1)
+        return [final[request_id] for request_id in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of
+        them) and generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": tokenizer.apply_chat_template(c, tokenize=True)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+def _eos_token_ids_from_config(model_path: str, hf_config: dict[str, Any]) -> set[int]:
+    """Without tokenizer files, eos comes from config.json / generation_config.json."""
+    ids: set[int] = set()
+    sources = [hf_config]
+    gen_path = os.path.join(model_path, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            sources.append(json.load(f))
+    for source in sources:
+        eos = source.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(t) for t in eos)
+    return ids

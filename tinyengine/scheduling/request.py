@@ -1,0 +1,117 @@
+"""Request: one generation request's token state as the scheduler sees it.
+
+Owns the bookkeeping of which tokens exist, which are in the KV cache, which
+blocks hold them, and why the request finished. Pure Python: no torch.
+
+Invariants over a request's token positions (all_token_ids = prompt + output):
+  [0, num_computed_tokens)           have their K/V written in the cache
+  [num_computed_tokens, num_tokens)  exist but still need a forward pass
+  block_ids[j] holds positions [j * block_size, (j + 1) * block_size)
+A running request always has at least one uncomputed token: the prompt's tail
+before its first sample, then the last sampled token afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from tinyengine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty (0 tokens)")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # already clipped to max_model_len by the engine
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        # Content hashes of the full blocks of all_token_ids, extended lazily by
+        # the block manager (a block's hash chains its parent's).
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_token_stop(self) -> RequestStatus | None:
+        """Stop conditions that depend on token ids only (stop *strings* need
+        text and are checked by the engine's detokenizer)."""
+        params = self.sampling_params
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_output_tokens < params.min_tokens:
+            return None
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.stop_reason = None  # eos: OpenAI's plain "stop", no reason string
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

@@ -1,0 +1,199 @@
+"""Scheduler: decides, each step, which requests run and how many of their
+tokens are computed. Continuous batching with chunked prefill, prefix caching
+and preemption by recompute, in the style of vLLM's V1 scheduler.
+
+Owns the waiting queue, the running list and the per-step token budget. Pure
+Python: it never imports torch and never looks at logits or text.
+
+One step's plan. There is no separate "prefill" and "decode" phase: every
+request simply has `num_tokens - num_computed_tokens` tokens left to compute
+(a whole prompt, the rest of a chunked prompt, or the one token sampled last
+step), and the scheduler hands out at most `max_num_batched_tokens` of them:
+  1. running requests first, oldest first — decode rows cost one token each, a
+     chunked prefill takes what budget remains;
+  2. then waiting requests, strictly first-come-first-served, while the budget,
+     `max_num_seqs` and the free blocks allow. Their cached prefix (full blocks
+     found in the prefix cache) is skipped, not recomputed.
+When a running request cannot get a block, the newest running request is
+preempted: its blocks are freed and it goes back to the head of the waiting
+queue, to be recomputed from its tokens later. Greedy and seeded sampling make
+the resumed request produce exactly what it would have.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tinyengine.scheduling.block_manager import BlockManager
+from tinyengine.scheduling.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # computes positions [start, start + num_new_tokens)
+    start: int  # == request.num_computed_tokens when scheduled
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so the step
+        yields the logits for its next token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # --- requests in and out ---
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        needed = self.block_manager.blocks_needed(request.num_prompt_tokens + request.max_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {needed} KV blocks "
+                f"({request.num_prompt_tokens} prompt + {request.max_tokens} output tokens) but "
+                f"the cache has {self.block_manager.num_blocks}; lower max_tokens or raise "
+                "num_kv_blocks / gpu_memory_utilization"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request now and free its blocks; unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        assert status.finished
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step plan ---
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, n, out):
+                out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+                budget -= n
+                i += 1
+            # else `request` preempted itself; it was the last one running.
+
+        # No admissions in a step that preempted: the freed blocks are owed to
+        # the preempted requests, now at the head of the waiting queue.
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits = self.block_manager.get_computed_blocks(request)
+            num_cached = len(hits) * self.block_manager.block_size
+            n = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(request, n, hits):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.stats.prefix_cache_query_tokens += request.num_tokens
+            self.stats.prefix_cache_hit_tokens += num_cached
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n, num_cached))
+            budget -= n
+
+        if out.scheduled:
+            self.stats.num_steps += 1
+        return out
+
+    def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        while not self.block_manager.allocate_slots(request, n):
+            victim = self.running.pop()  # the newest running request
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # --- after the forward pass ---
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+    ) -> list[Request]:
+        """Advance each scheduled request past its computed chunk and append the
+        token sampled for it (None where the chunk did not reach its end).
+        Returns the requests that received a token, for the engine's stop checks."""
+        advanced: list[Request] = []
+        for sched, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
+            request = sched.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += sched.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            if token_id is not None:
+                request.append_output_token(token_id)
+                advanced.append(request)
+        return advanced
