@@ -1,0 +1,42 @@
+"""Pure tensor ops, chosen by name: the attention op sets (torch reference or
+Triton) that a model's attention layer calls through its ForwardContext.
+
+Owns the mapping from a backend name to its op set. Must never import
+`models/` or `tinyengine/`, and must not import triton at module import time
+(the CPU path and the scheduling tests run without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """One backend's attention ops; every backend has the same signatures as
+    kernels/attention.py (the torch reference)."""
+
+    name: str
+    write_kv_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+
+
+def get_attention_ops(name: str) -> AttentionOps:
+    if name == "torch":
+        from kernels import attention
+
+        return AttentionOps("torch", attention.write_kv_cache, attention.paged_attention)
+    if name == "triton":
+        raise NotImplementedError(
+            "the Triton attention kernels arrive with issue 4; use attention_backend='torch'"
+        )
+    raise ValueError(
+        f"unknown attention backend {name!r}; choose one of {list(ATTENTION_BACKENDS)}"
+    )

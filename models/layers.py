@@ -1,0 +1,273 @@
+"""Building blocks shared by the model families: linear layers whose parameters
+know how to load themselves, embeddings, RMSNorm, SiLU-and-mul, and the paged
+attention layer that talks to the KV cache through the ForwardContext.
+
+Owns the parameter layouts (e.g. q, k and v stacked in one `qkv_proj` weight)
+and each parameter's `weight_loader(param, loaded_tensor, shard_id)`, the only
+place that knows where a checkpoint tensor lands inside a fused parameter.
+Must never read files (that is models/loader.py) nor pick an attention backend
+(the ForwardContext carries the op set).
+
+Rank-awareness seam: every layer takes `tp_rank, tp_size`. Only 0/1 works
+today; tensor parallelism will narrow each loaded tensor to the rank's slice in
+the weight loaders and all-reduce after RowParallelLinear, leaving the models
+unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.context import ForwardContext
+
+
+def check_tp(tp_rank: int, tp_size: int) -> None:
+    if tp_size != 1 or tp_rank != 0:
+        raise NotImplementedError(
+            f"tensor parallelism is not implemented yet (got tp_rank={tp_rank}, "
+            f"tp_size={tp_size}); run with tp_size=1"
+        )
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    # Uninitialised on purpose: the loader overwrites every parameter, and
+    # skipping a random init keeps building a large model cheap. Built on the
+    # current default device/dtype (the loader sets them).
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """Copy a whole checkpoint tensor into a parameter of the same shape."""
+    if shard_id is not None:
+        raise ValueError(f"this parameter is not packed, yet got shard {shard_id!r}")
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+            f"{tuple(param.shape)} (does config.json match the weights?)"
+        )
+    param.data.copy_(loaded)  # copy_ also casts dtype and moves device
+
+
+def packed_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+    """Copy one checkpoint tensor (e.g. k_proj) into its rows of a fused
+    parameter (e.g. qkv_proj), using the offsets the layer recorded."""
+    offsets: dict[Any, tuple[int, int]] = param.shard_offsets  # type: ignore[attr-defined]
+    if shard_id not in offsets:
+        raise ValueError(f"unknown shard {shard_id!r}; this parameter packs {list(offsets)}")
+    start, size = offsets[shard_id]
+    if loaded.shape[0] != size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(
+            f"shape mismatch for shard {shard_id!r}: checkpoint has {tuple(loaded.shape)}, "
+            f"model expects ({size}, *{tuple(param.shape[1:])})"
+        )
+    param.data.narrow(0, start, size).copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W [output_size, input_size]; parameters carry a
+    weight_loader. Parallel variants differ only in how they shard."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = _new_param(output_size, input_size)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias: nn.Parameter | None = _new_param(output_size)
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _pack(self, shard_sizes: dict[Any, int]) -> None:
+        """Declare that the output rows are several checkpoint tensors stacked."""
+        offsets: dict[Any, tuple[int, int]] = {}
+        start = 0
+        for shard_id, size in shard_sizes.items():
+            offsets[shard_id] = (start, size)
+            start += size
+        assert start == self.output_size, "packed shards must cover the output exactly"
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.shard_offsets = offsets  # type: ignore[attr-defined]
+                param.weight_loader = packed_weight_loader  # type: ignore[attr-defined]
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks (tp later); no communication needed."""
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks (tp later); the partial outputs will
+    need an all-reduce, which goes in forward when tp_size > 1."""
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one
+    matmul (gate_proj and up_proj -> gate_up_proj); shard ids 0, 1, ..."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        self.output_sizes = list(output_sizes)
+        self._pack(dict(enumerate(self.output_sizes)))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused into one matmul; shard ids "q", "k", "v".
+    Output rows: [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, tp_rank, tp_size)
+        self._pack({"q": self.q_size, "k": self.kv_size, "v": self.kv_size})
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        self.num_embeddings = num_embeddings
+        self.weight = _new_param(num_embeddings, embedding_dim)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection hidden -> vocab; may share its weight with the
+    input embedding (tie_word_embeddings)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32 and rounded the way HF does.
+
+    With `residual`, first adds it (the "fused add" of vLLM) and returns
+    (normed, new_residual): the decoder then never materialises the residual
+    sum twice.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Round to the activation dtype before the weight multiply, as HF does;
+        # doing it after would differ by one rounding in bf16.
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for a fused [..., 2 * I] gate_up activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class PagedAttention(nn.Module):
+    """Writes this layer's new K/V into the paged cache, then attends over it.
+
+    q [T, Hq, D], k/v [T, Hkv, D] already have RoPE applied; returns
+    [T, Hq, Dv]. The op set (torch reference or Triton) and the cache come from
+    the ForwardContext, so the same module serves every backend.
+    """
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={num_heads} must be a multiple of "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        if self.layer_idx >= len(ctx.kv_caches):
+            raise RuntimeError(
+                f"attention layer {self.layer_idx} has no KV cache: ctx.kv_caches holds "
+                f"{len(ctx.kv_caches)} layers (allocate one (k, v) pair per attention layer)"
+            )
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        attn = ctx.attn
+        ops = ctx.attention_ops
+        ops.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        return ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            attn.block_tables,
+            attn.query_start_loc,
+            attn.seq_lens,
+            self.scale,
+            max_query_len=attn.max_query_len,
+            max_seq_len=attn.max_seq_len,
+            query_start_loc_cpu=attn.query_start_loc_cpu or None,
+            seq_lens_cpu=attn.seq_lens_cpu or None,
+            workspace=ctx.workspace,
+        )

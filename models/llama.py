@@ -1,0 +1,287 @@
+"""The Llama family: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias) and
+Qwen3ForCausalLM (per-head RMSNorm on q and k before RoPE), all with GQA and
+optional tied embeddings.
+
+Owns the architecture and the mapping from HF checkpoint names to this
+model's fused parameters (`packed_modules_mapping`). Parameter names mirror
+HF's (model.layers.N.self_attn...), so the loader needs no renaming beyond the
+fusions. Must never read files, allocate the KV cache, or choose an attention
+backend: the ForwardContext brings the cache and the ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.context import ForwardContext
+from models.layers import (
+    MergedColumnParallelLinear,
+    PagedAttention,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    check_tp,
+)
+from models.rotary import RotaryEmbedding, get_rope_parameters
+
+_REQUIRED_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+class LlamaArgs:
+    """The config.json fields this family reads, with HF's defaults, checked once."""
+
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        *,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        qk_norm: bool = False,
+    ) -> None:
+        c = hf_config
+        missing = [key for key in _REQUIRED_KEYS if c.get(key) is None]
+        if missing:
+            raise ValueError(
+                f"config.json lacks {missing}, needed to build {c.get('architectures')}; "
+                "add them to config.json or pass them via hf_overrides"
+            )
+        self.hidden_size: int = c["hidden_size"]
+        self.num_hidden_layers: int = c["num_hidden_layers"]
+        self.num_heads: int = c["num_attention_heads"]
+        self.num_kv_heads: int = c.get("num_key_value_heads") or self.num_heads
+        self.head_dim: int = c.get("head_dim") or self.hidden_size // self.num_heads
+        self.intermediate_size: int = c["intermediate_size"]
+        self.vocab_size: int = c["vocab_size"]
+        self.rms_norm_eps: float = c.get("rms_norm_eps", 1e-6)
+        self.max_position_embeddings: int = c.get("max_position_embeddings", 2048)
+        self.tie_word_embeddings: bool = bool(c.get("tie_word_embeddings", False))
+        attention_bias = bool(c.get("attention_bias", False))
+        # Llama and Qwen3 put `attention_bias` on all four projections; Qwen2
+        # hard-codes bias on q/k/v and none on o_proj (its class says so).
+        self.qkv_bias: bool = attention_bias if qkv_bias is None else qkv_bias
+        self.o_bias: bool = attention_bias if o_bias is None else o_bias
+        self.mlp_bias: bool = bool(c.get("mlp_bias", False))
+        self.qk_norm = qk_norm
+        self.rope_parameters = get_rope_parameters(c)
+        self._reject_unsupported(c)
+
+    def _reject_unsupported(self, c: dict[str, Any]) -> None:
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported; the Llama family uses 'silu'")
+        if float(self.rope_parameters.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported for the Llama family")
+        layer_types = (c.get("layer_types") or [])[: self.num_hidden_layers]
+        if c.get("use_sliding_window") or "sliding_attention" in layer_types:
+            raise ValueError(
+                "sliding-window attention is not supported; set use_sliding_window=false "
+                "(and no 'sliding_attention' in layer_types) in config.json or hf_overrides"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        args: LlamaArgs,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads,
+            bias=args.qkv_bias, tp_rank=tp_rank, tp_size=tp_size,
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(
+            self.q_size, args.hidden_size, bias=args.o_bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+        if args.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(
+            layer_idx, args.num_heads, args.head_dim, args.num_kv_heads,
+            scale=args.head_dim**-0.5, tp_rank=tp_rank, tp_size=tp_size,
+        )  # fmt: skip
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: normalise each head before RoPE (order matters).
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, ctx)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: LlamaArgs, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias,
+            tp_rank=tp_rank, tp_size=tp_size,
+        )  # fmt: skip
+        self.down_proj = RowParallelLinear(
+            args.intermediate_size, args.hidden_size, bias=args.mlp_bias,
+            tp_rank=tp_rank, tp_size=tp_size,
+        )  # fmt: skip
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        args: LlamaArgs,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, layer_idx, rotary_emb, tp_rank, tp_size)
+        self.mlp = LlamaMLP(args, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately and added inside the next
+        # norm (fused add): layer i's output is (mlp_out, residual_before_mlp).
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, ctx)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            args.vocab_size, args.hidden_size, tp_rank, tp_size
+        )
+        # One cos/sin cache for all layers (it is max_position x head_dim; one
+        # per layer would cost num_layers times that for identical data).
+        self.rotary_emb = RotaryEmbedding(
+            args.head_dim, args.max_position_embeddings, args.rope_parameters
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(args, i, self.rotary_emb, tp_rank, tp_size)
+            for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint module name -> (fused module name, shard id in it).
+    packed_modules_mapping: dict[str, tuple[str, Any]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # Per-architecture switches (None: follow config.json's attention_bias).
+    _qkv_bias: bool | None = None
+    _o_bias: bool | None = None
+    _qk_norm: bool = False
+
+    def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        args = LlamaArgs(
+            hf_config, qkv_bias=self._qkv_bias, o_bias=self._o_bias, qk_norm=self._qk_norm
+        )
+        self.args = args
+        self.model = LlamaModel(args, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp_rank, tp_size)
+        if args.tie_word_embeddings:
+            # One Parameter under two names; named_parameters() reports it once
+            # (as model.embed_tokens.weight), which is what the loader fills.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Read by the worker (KV allocation, activation estimates).
+        self.num_attention_layers = args.num_hidden_layers
+        self.hidden_size = args.hidden_size
+        self.vocab_size = args.vocab_size
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.args.tie_word_embeddings
+
+    def kv_cache_shape_per_layer(self) -> tuple[int, int]:
+        """(num_kv_heads, head_dim) of each layer's k_cache / v_cache block rows."""
+        return self.args.num_kv_heads, self.args.head_dim
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab_size]. The runner passes only the
+        rows it samples from, so the vocab matmul is not done for every token."""
+        return self.lm_head(hidden_states).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    _qkv_bias = True
+    _o_bias = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    _qk_norm = True

@@ -1,0 +1,215 @@
+"""Reading a Hugging Face checkpoint folder: config.json (+ user overrides) and
+safetensors weights into a model built by the registry.
+
+Owns file discovery (single file, sharded with an index, or several files),
+the routing of checkpoint names into fused parameters through the model's
+`packed_modules_mapping` and each parameter's `weight_loader`, and layer
+truncation for proxy models (a reduced num_hidden_layers never reads the
+dropped layers' bytes). Must never unpickle anything: pickle checkpoints can
+run arbitrary code, so `*.bin` / `*.pt` folders are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from models.layers import default_weight_loader
+from models.registry import get_model_class
+
+_INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# HF once saved RoPE's inverse frequencies as buffers; we compute our own.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_MAX_NAMES_SHOWN = 10
+
+
+def load_hf_config(model_path: str, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json as a dict, with `hf_overrides` merged on top (shallow update).
+
+    Overrides are applied before anything is built, so e.g.
+    {"num_hidden_layers": 2} yields a 2-layer model that only reads 2 layers.
+    """
+    folder = Path(model_path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        where = "is not a folder" if not folder.is_dir() else "has no config.json"
+        raise ValueError(
+            f"model path {str(model_path)!r} {where}; point `model` at a Hugging Face "
+            "checkpoint folder holding config.json and *.safetensors weights"
+        )
+    with config_file.open() as f:
+        hf_config: dict[str, Any] = json.load(f)
+    if hf_overrides:
+        if not isinstance(hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict, got {type(hf_overrides).__name__}")
+        hf_config.update(hf_overrides)
+    return hf_config
+
+
+def load_model(
+    model_path: str,
+    hf_config: dict[str, Any],
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> nn.Module:
+    """Build the model named by hf_config["architectures"][0] directly on
+    `device` in `dtype` and fill every parameter from the checkpoint."""
+    folder = Path(model_path)
+    model_cls = get_model_class(hf_config)
+    # Find the weights before building: a pickle-only folder fails fast.
+    weight_map = checkpoint_weight_map(folder)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config)
+    load_weights(model, folder, weight_map, num_hidden_layers=hf_config["num_hidden_layers"])
+    return model.eval()
+
+
+def checkpoint_weight_map(folder: Path) -> dict[str, str]:
+    """Checkpoint tensor name -> file name (relative to `folder`)."""
+    index_file = folder / _INDEX_FILE
+    if index_file.is_file():
+        with index_file.open() as f:
+            return dict(json.load(f)["weight_map"])
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for pattern in _PICKLE_PATTERNS for p in folder.glob(pattern))
+        if pickles:
+            raise ValueError(
+                f"{folder} holds only pickle checkpoints ({_shorten(pickles)}); pickle "
+                "checkpoints are refused because loading them can run arbitrary code. "
+                "Convert them to safetensors (e.g. transformers' "
+                "from_pretrained(...).save_pretrained(out_dir)) and point `model` at the result"
+            )
+        raise ValueError(f"no *.safetensors weights found in {folder}")
+    # Without an index only the headers name the tensors; safe_open reads just
+    # the header, so tensors of dropped layers are still never read.
+    weight_map: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                weight_map.setdefault(name, file.name)
+    return weight_map
+
+
+def load_weights(
+    model: nn.Module,
+    folder: Path,
+    weight_map: dict[str, str],
+    *,
+    num_hidden_layers: int,
+) -> None:
+    """Copy checkpoint tensors into `model`'s parameters, checking that every
+    parameter (every shard of a fused one) is filled exactly by the checkpoint."""
+    packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    params = dict(model.named_parameters())  # a tied weight appears once
+
+    # Route every wanted name first, so that naming errors surface before any
+    # tensor data is read.
+    plan: dict[str, list[tuple[str, str, Any]]] = {}  # file -> [(ckpt, param, shard)]
+    unexpected: list[str] = []
+    for ckpt_name, file in weight_map.items():
+        if _skipped(ckpt_name, num_hidden_layers, tied):
+            continue
+        param_name, shard_id = _route(ckpt_name, packed)
+        if param_name not in params:
+            unexpected.append(ckpt_name)
+            continue
+        plan.setdefault(file, []).append((ckpt_name, param_name, shard_id))
+    if unexpected:
+        raise ValueError(
+            f"the checkpoint has {len(unexpected)} tensor(s) this "
+            f"{type(model).__name__} has no parameter for: {_shorten(sorted(unexpected))}; "
+            "check that config.json's architectures/sizes match the weights"
+        )
+
+    needed = {(name, shard) for name, param in params.items() for shard in _shards_of(param)}
+    planned = {(param, shard) for entries in plan.values() for _, param, shard in entries}
+    missing = sorted(_checkpoint_name(p, s, packed) for p, s in needed - planned)
+    if missing:
+        raise ValueError(
+            f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+            f"{_shorten(missing)}; is the checkpoint complete (all shards present) and "
+            "does config.json match it?"
+        )
+
+    absent = sorted(file for file in plan if not (folder / file).is_file())
+    if absent:
+        raise ValueError(
+            f"{folder} lacks weight file(s) {_shorten(absent)} that {_INDEX_FILE} lists; "
+            "the download is incomplete, fetch the missing shards"
+        )
+
+    for file, entries in sorted(plan.items()):
+        # Only files holding a kept tensor are opened at all.
+        with safe_open(str(folder / file), framework="pt", device="cpu") as handle:
+            for ckpt_name, param_name, shard_id in entries:
+                param = params[param_name]
+                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    weight_loader(param, handle.get_tensor(ckpt_name), shard_id)
+                except ValueError as err:
+                    raise ValueError(f"cannot load {ckpt_name!r} from {file}: {err}") from None
+
+
+def _skipped(ckpt_name: str, num_hidden_layers: int, tied: bool) -> bool:
+    if ckpt_name.endswith(_IGNORED_SUFFIXES):
+        return True
+    if tied and ckpt_name == "lm_head.weight":
+        return True  # the embedding is the head; a saved copy would be redundant
+    match = _LAYER_RE.search(ckpt_name)
+    return match is not None and int(match.group(1)) >= num_hidden_layers
+
+
+def _route(ckpt_name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    """'...self_attn.k_proj.weight' -> ('...self_attn.qkv_proj.weight', 'k')."""
+    parts = ckpt_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in packed:
+            fused, shard_id = packed[part]
+            parts[i] = fused
+            return ".".join(parts), shard_id
+    return ckpt_name, None
+
+
+def _checkpoint_name(param_name: str, shard_id: Any, packed: dict[str, tuple[str, Any]]) -> str:
+    """Inverse of _route, for error messages that name what the checkpoint lacks."""
+    if shard_id is None:
+        return param_name
+    for original, (fused, shard) in packed.items():
+        if shard == shard_id and f".{fused}." in f".{param_name}":
+            return param_name.replace(f"{fused}.", f"{original}.")
+    return f"{param_name} (shard {shard_id!r})"
+
+
+def _shards_of(param: nn.Parameter) -> list[Any]:
+    offsets = getattr(param, "shard_offsets", None)
+    return list(offsets) if offsets else [None]
+
+
+def _shorten(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
+    hidden = len(names) - _MAX_NAMES_SHOWN
+    return f"{shown}, ... and {hidden} more" if hidden > 0 else shown
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    if not dtype.is_floating_point:
+        raise ValueError(f"model dtype must be a floating point type, got {dtype}")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

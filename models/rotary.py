@@ -1,0 +1,144 @@
+"""Rotary position embeddings (RoPE) in the "neox" / rotate-half layout that HF
+Llama, Qwen2 and Qwen3 use, plus the parsing of a config.json's rope settings.
+
+Owns the cos/sin cache: computed once on the host in fp32 at construction, for
+every position up to max_position_embeddings, so a forward step only gathers
+rows (no trig, no host sync, graph-safe). Must never compute frequencies inside
+forward.
+
+config.json comes in two spellings and both must work:
+  * transformers < 5: top-level "rope_theta" and optional
+    "rope_scaling": {"rope_type" | "type": ..., "factor": ..., ...}
+  * transformers >= 5: "rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+def get_rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """One flat dict {rope_type, rope_theta, ...} from either config.json spelling."""
+    params: dict[str, Any] = dict(hf_config.get("rope_parameters") or {})
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ValueError(
+            "per-layer-type rope_parameters (a nested dict) are not supported by the "
+            "Llama family here; config.json must hold one flat rope_parameters dict"
+        )
+    legacy = hf_config.get("rope_scaling") or {}
+    for key, value in legacy.items():
+        params.setdefault(key, value)
+    # Old configs say "type"; new ones "rope_type".
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if "partial_rotary_factor" in hf_config:  # old spelling: top level
+        params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
+    theta = params.get("rope_theta", hf_config.get("rope_theta", _DEFAULT_ROPE_THETA))
+    params["rope_theta"] = float(theta)
+    if params["rope_type"] == "llama3":
+        # Same fallback as HF: the pretraining context is the current one.
+        params.setdefault(
+            "original_max_position_embeddings", hf_config.get("max_position_embeddings")
+        )
+    return params
+
+
+def _inv_freq(rot_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies [rot_dim // 2], fp32, computed exactly as HF does so
+    that cos/sin match bit for bit."""
+    base = params["rope_theta"]
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(
+        f"rope type {rope_type!r} is not supported; supported types are "
+        f"{list(SUPPORTED_ROPE_TYPES)} (set in config.json rope_parameters/rope_scaling)"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths are slowed by `factor`,
+    short ones kept, and the band between is blended smoothly."""
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at the given positions.
+
+    The cache is a non-persistent buffer (never in a checkpoint) holding
+    [cos | sin] per position, [max_position, rot_dim]. It follows the model's
+    dtype when the model is cast: HF also rounds cos/sin to the activation
+    dtype before multiplying, so results match HF in bf16 as well.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        rope_parameters: dict[str, Any],
+        rotary_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        # Only the first rotary_dim lanes of each head rotate (partial RoPE);
+        # the Llama family rotates all of them.
+        self.rot_dim = head_dim if rotary_dim is None else rotary_dim
+        if self.rot_dim % 2 != 0 or not 0 < self.rot_dim <= head_dim:
+            raise ValueError(
+                f"rotary_dim={self.rot_dim} must be even and in (0, head_dim={head_dim}]"
+            )
+        self.max_position_embeddings = max_position_embeddings
+
+        inv_freq = _inv_freq(self.rot_dim, rope_parameters)
+        positions = torch.arange(max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq)  # [P, rot_dim // 2]
+        # HF scales cos/sin by an attention factor; it is 1.0 for the rope
+        # types supported here.
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer(
+            "cos_sin_cache",
+            cache.to(device=torch.get_default_device(), dtype=torch.get_default_dtype()),
+            persistent=False,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rot_dim // 2] each
+        cos = cos.unsqueeze(1).to(q.dtype)  # broadcast over heads
+        sin = sin.unsqueeze(1).to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, passthrough = x[..., : self.rot_dim], x[..., self.rot_dim :]
+        # neox layout: the two halves of the rotated part are the (real, imag)
+        # pairs, not interleaved even/odd lanes.
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if passthrough.shape[-1] == 0:
+            return rotated
+        return torch.cat([rotated, passthrough], dim=-1)

@@ -1,0 +1,137 @@
+"""The Llama family (Llama, Qwen2 with tied embeddings, Qwen3 with q/k norm,
+Llama with llama3 RoPE scaling) against HF transformers in fp32: one-shot
+prefill, prefill + paged decode, chunked prefill mixed with decodes in one
+batch, padded batches, greedy generation and layer truncation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.hf_models import TINY_VARIANTS, hf_greedy, hf_logits, make_tiny_hf_model
+from tests.models.forward_harness import PagedHarness, load_tiny
+
+ATOL = 1e-4  # fp32 end to end; the differences are summation order only
+
+
+def prompt(length: int = 20, seed: int = 0) -> list[int]:
+    return torch.randint(1, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+def test_prefill_logits_match_hf(variant: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    path = tiny_model_dir(variant)
+    model = load_tiny(path)
+    tokens = prompt()
+    ours = PagedHarness(model).step({0: tokens})[0]
+    ref = hf_logits(path, tokens)
+    assert ours.dtype == torch.float32 and ours.shape == (len(tokens), 512)
+    assert max_diff(ours[-1], ref[-1]) <= ATOL  # the row the sampler uses
+    assert max_diff(ours, ref) <= ATOL  # every position, i.e. every causal prefix
+    # Sanity: the model is not degenerate (logits far from uniform).
+    assert ref.std() > 0.3
+
+
+@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+def test_prefill_then_decode_matches_hf(
+    variant: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    path = tiny_model_dir(variant)
+    harness = PagedHarness(load_tiny(path), block_size=16)
+    tokens = prompt(31)  # the decode token lands at position 31: last slot of block 2
+    first = harness.step({0: tokens})[0]
+    next_token = int(first[-1].argmax())
+    decoded = harness.step({0: [next_token]})[0]
+    ref = hf_logits(path, tokens + [next_token])
+    assert max_diff(decoded[0], ref[-1]) <= ATOL
+
+
+def test_chunked_prefill_mixed_with_decodes(tiny_model_dir: Callable[[str], Path]) -> None:
+    """One batch holds a prefill chunk after a cached prefix, a fresh prompt,
+    a decode row and padding rows; every row must match HF."""
+    path = tiny_model_dir("qwen3")
+    harness = PagedHarness(load_tiny(path), block_size=16, num_blocks=40)
+    a, b, c = prompt(30, seed=1), prompt(11, seed=2), prompt(18, seed=3)
+
+    harness.step({0: a[:7], 2: c[:-1]})
+    out = harness.step({0: a[7:], 1: b, 2: c[-1:]}, num_padding=3)
+
+    assert max_diff(out[0], hf_logits(path, a)[7:]) <= ATOL
+    assert max_diff(out[1], hf_logits(path, b)) <= ATOL
+    assert max_diff(out[2], hf_logits(path, c)[-1:]) <= ATOL
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2-tied"])
+def test_greedy_generation_matches_hf(variant: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    path = tiny_model_dir(variant)
+    prompts = [prompt(12, seed=4), prompt(5, seed=5)]
+    ref_tokens, ref_logits = hf_greedy(path, prompts, max_new_tokens=8)
+
+    harness = PagedHarness(load_tiny(path), block_size=16)
+    generated: dict[int, list[int]] = {0: [], 1: []}
+    step_logits: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    pending = {i: p for i, p in enumerate(prompts)}
+    for _ in range(8):
+        out = harness.step(pending)
+        pending = {}
+        for seq_id, logits in out.items():
+            step_logits[seq_id].append(logits[-1])
+            token = int(logits[-1].argmax())
+            generated[seq_id].append(token)
+            pending[seq_id] = [token]
+
+    assert [generated[0], generated[1]] == ref_tokens
+    for seq_id in (0, 1):
+        for ours, ref in zip(step_logits[seq_id], ref_logits[seq_id], strict=True):
+            assert max_diff(ours, ref) <= ATOL
+
+
+def test_hf_greedy_ignores_eos(tmp_path: Path) -> None:
+    """hf_greedy must produce max_new_tokens even when EOS is the argmax."""
+    path = make_tiny_hf_model("llama", tmp_path / "a")
+    tokens, _ = hf_greedy(path, [prompt(6)], max_new_tokens=5)
+    eos_path = make_tiny_hf_model("llama", tmp_path / "b", eos_token_id=tokens[0][0])
+    eos_tokens, eos_logits = hf_greedy(eos_path, [prompt(6)], max_new_tokens=5)
+    assert eos_tokens == tokens and len(eos_logits[0]) == 5
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_truncated_model_matches_truncated_hf(
+    variant: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    path = tiny_model_dir(variant)
+    model = load_tiny(path, hf_overrides={"num_hidden_layers": 2})
+    assert model.num_attention_layers == 2 and len(model.model.layers) == 2
+    tokens = prompt()
+    ours = PagedHarness(model).step({0: tokens})[0]
+    ref = hf_logits(path, tokens, num_hidden_layers=2)
+    assert max_diff(ours, ref) <= ATOL
+    assert max_diff(ours, hf_logits(path, tokens)) > 1e-2  # truncation really changed it
+
+
+def test_rope_scaling_changes_the_output(tiny_model_dir: Callable[[str], Path]) -> None:
+    """The two llama variants share weights (same seed); only RoPE differs,
+    so equal logits would mean the llama3 scaling was silently ignored."""
+    tokens = prompt(60)  # long enough for the scaled low frequencies to matter
+    plain = PagedHarness(load_tiny(tiny_model_dir("llama"))).step({0: tokens})[0]
+    scaled = PagedHarness(load_tiny(tiny_model_dir("llama-rope-llama3"))).step({0: tokens})[0]
+    assert max_diff(plain, scaled) > 1e-3
+
+
+def test_bfloat16_model_is_close_to_fp32(tiny_model_dir: Callable[[str], Path]) -> None:
+    path = tiny_model_dir("qwen3")
+    tokens = prompt()
+    ref = PagedHarness(load_tiny(path)).step({0: tokens})[0]
+    model = load_tiny(path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ours = PagedHarness(model).step({0: tokens})[0]
+    assert ours.dtype == torch.float32  # compute_logits always returns fp32
+    assert max_diff(ours, ref) < 0.25 * ref.abs().max().item()

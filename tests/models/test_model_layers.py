@@ -1,0 +1,125 @@
+"""Shared layers and config parsing: RoPE from both config.json spellings and
+against HF's own rotary embedding, RMSNorm's fused residual add, the packed
+weight loaders, and the constructor seams (tp, unsupported configs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.layers import QKVParallelLinear, RMSNorm, packed_weight_loader
+from models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from models.rotary import RotaryEmbedding, get_rope_parameters
+from tests.hf_models import LLAMA3_ROPE
+
+TINY = dict(
+    architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+    vocab_size=512, max_position_embeddings=512,
+)  # fmt: skip
+
+
+def test_rope_parameters_from_both_config_spellings() -> None:
+    legacy = {  # transformers < 5
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    }  # fmt: skip
+    new = {  # transformers >= 5
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192},
+    }  # fmt: skip
+    a, b = get_rope_parameters(legacy), get_rope_parameters(new)
+    assert a["rope_type"] == b["rope_type"] == "llama3"
+    assert {k: a[k] for k in b} == b
+    assert get_rope_parameters({}) == {"rope_type": "default", "rope_theta": 10000.0}
+    assert get_rope_parameters({"rope_theta": 1e6})["rope_theta"] == 1e6
+
+
+def test_rope_rejects_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        RotaryEmbedding(16, 32, get_rope_parameters({"rope_parameters": {"rope_type": "yarn"}}))
+    with pytest.raises(ValueError, match="nested"):
+        get_rope_parameters({"rope_parameters": {"full_attention": {"rope_type": "default"}}})
+
+
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE], ids=["default", "llama3"])
+def test_rope_cache_matches_hf(rope: dict | None) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config_kwargs = {k: v for k, v in TINY.items() if k != "architectures"}
+    if rope is not None:
+        config_kwargs["rope_parameters"] = rope
+    hf_config = LlamaConfig(**config_kwargs)
+    positions = torch.arange(512)[None]
+    cos, sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1, dtype=torch.float32), positions)
+
+    ours = RotaryEmbedding(16, 512, get_rope_parameters(hf_config.to_dict()))
+    our_cos, our_sin = ours.cos_sin_cache.chunk(2, dim=-1)
+    torch.testing.assert_close(our_cos, cos[0, :, :8], atol=1e-6, rtol=0)
+    torch.testing.assert_close(our_sin, sin[0, :, :8], atol=1e-6, rtol=0)
+
+
+def test_rmsnorm_fused_residual_add() -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(8, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    out, new_residual = norm(x, residual)
+    torch.testing.assert_close(new_residual, x + residual)
+    torch.testing.assert_close(out, norm(x + residual))
+    expected = (x + residual) / ((x + residual).pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    torch.testing.assert_close(out, expected * norm.weight)
+
+
+def test_packed_weight_loader_checks_shard_and_shape() -> None:
+    qkv = QKVParallelLinear(8, head_dim=2, num_heads=4, num_kv_heads=2, bias=True)
+    assert qkv.weight.shape == (8 + 4 + 4, 8)
+    qkv.weight.weight_loader(qkv.weight, torch.ones(4, 8), "k")
+    assert qkv.weight[8:12].eq(1).all()
+    with pytest.raises(ValueError, match="unknown shard 'x'"):
+        packed_weight_loader(qkv.weight, torch.ones(4, 8), "x")
+    with pytest.raises(ValueError, match="shape mismatch for shard 'q'"):
+        packed_weight_loader(qkv.weight, torch.ones(4, 8), "q")
+
+
+def test_tensor_parallel_seam_is_explicit() -> None:
+    with pytest.raises(NotImplementedError, match="tp_size=2"):
+        LlamaForCausalLM(TINY, tp_rank=0, tp_size=2)
+    with pytest.raises(NotImplementedError):
+        QKVParallelLinear(8, 2, 4, 2, bias=False, tp_rank=1, tp_size=2)
+
+
+def test_model_api_shapes() -> None:
+    model = LlamaForCausalLM(TINY)
+    assert model.num_attention_layers == 2
+    assert (model.hidden_size, model.vocab_size) == (64, 512)
+    assert model.kv_cache_shape_per_layer() == (2, 16)
+    assert set(LlamaForCausalLM.packed_modules_mapping) == {
+        "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+    }  # fmt: skip
+    # One cos/sin cache shared by all layers.
+    assert model.model.layers[1].self_attn.rotary_emb is model.model.rotary_emb
+
+
+def test_unsupported_configs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="sliding-window"):
+        Qwen2ForCausalLM({**TINY, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="multiple of"):
+        LlamaForCausalLM({**TINY, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaForCausalLM({**TINY, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        LlamaForCausalLM({**TINY, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"lacks \['intermediate_size'\]"):
+        LlamaForCausalLM({k: v for k, v in TINY.items() if k != "intermediate_size"})
+
+
+def test_qwen2_bias_layout() -> None:
+    model = Qwen2ForCausalLM(TINY)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
+    llama_attn = LlamaForCausalLM({**TINY, "attention_bias": True}).model.layers[0].self_attn
+    assert llama_attn.qkv_proj.bias is not None and llama_attn.o_proj.bias is not None

@@ -1,0 +1,254 @@
+"""models/loader.py: config + overrides, sharded checkpoints, layer truncation
+that never reads dropped layers, and the errors a user sees for incomplete,
+mismatched or pickle checkpoints."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import models.loader as loader
+from models.loader import load_hf_config
+from models.registry import get_model_class, supported_architectures
+from tests.hf_models import make_tiny_hf_model
+from tests.models.forward_harness import load_tiny
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def rewrite_checkpoint(path: Path, edit) -> None:
+    """Apply `edit(dict of tensors)` to a single-file checkpoint in place."""
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture
+def record_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """Wrap the loader's safe_open: file name -> tensor names actually read."""
+    reads: dict[str, list[str]] = {}
+    real_safe_open = loader.safe_open
+
+    class Recording:
+        def __init__(self, filename: str, *args, **kwargs) -> None:
+            self.name = Path(filename).name
+            self.handle = real_safe_open(filename, *args, **kwargs)
+            reads.setdefault(self.name, [])
+
+        def __enter__(self) -> Recording:
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return list(self.handle.keys())
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            reads[self.name].append(name)
+            return self.handle.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    return reads
+
+
+# --- config ---------------------------------------------------------------
+
+
+def test_config_missing_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_hf_config(str(tmp_path))
+    with pytest.raises(ValueError, match="is not a folder"):
+        load_hf_config(str(tmp_path / "nope"))
+
+
+def test_hf_overrides_are_merged_before_building(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    config = load_hf_config(str(path), {"num_hidden_layers": 1, "rms_norm_eps": 1e-3})
+    assert config["num_hidden_layers"] == 1 and config["rms_norm_eps"] == 1e-3
+    assert config["hidden_size"] == 64  # the rest is config.json's
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 4
+    model = load_tiny(path, {"num_hidden_layers": 1, "rms_norm_eps": 1e-3})
+    assert len(model.model.layers) == 1 and model.model.norm.eps == 1e-3
+
+
+# --- files ----------------------------------------------------------------
+
+
+def test_sharded_checkpoint_loads_like_the_single_file(tmp_path: Path) -> None:
+    single = make_tiny_hf_model("qwen3", tmp_path / "single")
+    sharded = make_tiny_hf_model("qwen3", tmp_path / "sharded", max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 3
+    a = load_tiny(single).state_dict()
+    b = load_tiny(sharded).state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_several_files_without_an_index(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path / "m")
+    reference = load_tiny(path).state_dict()
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[::2]}, path / "a.safetensors")
+    save_file({n: tensors[n] for n in names[1::2]}, path / "b.safetensors")
+    loaded = load_tiny(path).state_dict()
+    assert all(torch.equal(reference[name], loaded[name]) for name in reference)
+
+
+def test_truncation_never_reads_dropped_layers_sharded(
+    tmp_path: Path, record_reads: dict[str, list[str]]
+) -> None:
+    path = make_tiny_hf_model("qwen2", tmp_path, max_shard_size="40KB")
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        files.setdefault(file, []).append(name)
+    # Shards holding only layers >= 2 are deleted: opening one would fail.
+    dropped = [f for f, names in files.items() if all((layer_of(n) or 0) >= 2 for n in names)]
+    assert len(dropped) >= 2
+    for file in dropped:
+        (path / file).unlink()
+
+    model = load_tiny(path, {"num_hidden_layers": 2})
+
+    read = [name for names in record_reads.values() for name in names]
+    assert all((layer_of(n) or 0) < 2 for n in read)
+    # Every kept tensor was read once (nothing silently skipped).
+    kept = {n for n in weight_map if (layer_of(n) or 0) < 2}
+    assert sorted(read) == sorted(kept)
+    assert set(record_reads) == {f for f, names in files.items() if set(names) & kept}
+    assert model.num_attention_layers == 2
+
+
+def test_truncation_never_reads_dropped_layers_single_file(
+    tmp_path: Path, record_reads: dict[str, list[str]]
+) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    load_tiny(path, {"num_hidden_layers": 1})
+    read = record_reads["model.safetensors"]
+    assert read and all((layer_of(n) or 0) < 1 for n in read)
+
+
+def test_missing_shard_file_is_named(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path, max_shard_size="40KB")
+    victim = sorted(path.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(ValueError, match=f"lacks weight file.*{victim.name}"):
+        load_tiny(path)
+
+
+# --- names ----------------------------------------------------------------
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    rewrite_checkpoint(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*model\.layers\.1\.self_attn\.k_proj"):
+        load_tiny(path)
+
+
+def test_many_missing_tensors_are_counted_and_truncated(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+
+    def drop_last_two_layers(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if (layer_of(n) or 0) >= 2]:
+            del tensors[name]
+
+    rewrite_checkpoint(path, drop_last_two_layers)
+    with pytest.raises(ValueError, match=r"lacks 18 tensor\(s\).*and 8 more"):
+        load_tiny(path)
+    load_tiny(path, {"num_hidden_layers": 2})  # ...but a 2-layer proxy is complete
+
+
+def test_unexpected_tensor_is_named(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    rewrite_checkpoint(
+        path, lambda t: t.update({"model.layers.0.self_attn.mystery.weight": torch.zeros(2)})
+    )
+    with pytest.raises(ValueError, match=r"1 tensor.*model\.layers\.0\.self_attn\.mystery"):
+        load_tiny(path)
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    rewrite_checkpoint(
+        path, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 32)})
+    )
+    with pytest.raises(ValueError, match=r"up_proj\.weight.*shape mismatch"):
+        load_tiny(path)
+
+
+def test_tied_head_ignores_a_saved_lm_head_and_inv_freq(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("qwen2", tmp_path)  # tie_word_embeddings=True
+    reference = load_tiny(path)
+
+    def add_junk(tensors: dict[str, torch.Tensor]) -> None:
+        assert "lm_head.weight" not in tensors  # HF does not save the tied copy
+        tensors["lm_head.weight"] = torch.full((512, 64), 7.0)
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+    rewrite_checkpoint(path, add_junk)
+    model = load_tiny(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+
+def test_untied_head_is_loaded_separately(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    model = load_tiny(path)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    saved = load_file(path / "model.safetensors")
+    assert torch.equal(model.lm_head.weight, saved["lm_head.weight"])
+    # The fused q/k/v rows are the three checkpoint tensors stacked in order.
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    parts = [saved[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(qkv, torch.cat(parts))
+
+
+# --- refusals -------------------------------------------------------------
+
+
+def test_pickle_only_folder_is_refused(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="pickle checkpoints are refused.*safetensors"):
+        load_tiny(path)
+
+
+def test_folder_without_weights(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights"):
+        load_tiny(path)
+
+
+def test_unsupported_config_leaves_default_dtype_alone(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("llama", tmp_path)
+    with pytest.raises(ValueError, match="hidden_act"):
+        load_tiny(path, {"hidden_act": "gelu"}, dtype=torch.bfloat16)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_registry() -> None:
+    assert supported_architectures() == [
+        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported.*LlamaForCausalLM"):
+        get_model_class({"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="no 'architectures'"):
+        get_model_class({})

@@ -1,0 +1,288 @@
+"""Sampler: one batch of logits -> one next token per row (+ optional logprobs).
+
+Owns the per-step token choice: banned-token masking, greedy argmax,
+temperature, top-k / top-p / min-p filtering, seeded and unseeded random
+sampling, and the logprobs a request asked for. Everything is vectorized over
+the batch; the host learns the results through exactly one device->host copy
+(the final `.tolist()`).
+
+Must never:
+  * modify the caller's logits (the runner may read them again, and logprobs
+    are defined on them as given);
+  * synchronize with the device before the final copy (no `.item()`, no
+    data-dependent Python branches on tensors, no pageable host->device copies);
+  * draw a seeded request's noise from anything but that request's generator,
+    or draw an amount that depends on the batch. A seeded request must produce
+    the same tokens whatever else shares its batch and whatever its row index.
+
+Logprobs are the model's distribution: log_softmax of the raw logits as given,
+before banning, temperature and filters (vLLM's default "raw_logprobs").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tinyengine.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy (as vLLM does): dividing by a
+# denormal-ish temperature overflows the logits to inf and softmax to NaN.
+_GREEDY_EPS = 1e-5
+
+# Columns of the per-row parameter table that travels host->device in one copy.
+_TEMP, _TOP_K, _TOP_P, _LOG_MIN_P = range(4)
+
+TokenLogprob = tuple[int, float, int]  # (token_id, logprob, rank); rank 1 = most likely
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    # Per row: None (not asked for), or [(token_id, logprob, rank), ...] with the
+    # sampled token first, then the top N (N = params.logprobs) in descending
+    # order. The sampled token may appear twice, as in vLLM.
+    logprobs: list[list[TokenLogprob] | None]
+
+
+class Sampler:
+    """Chooses next tokens for a batch of rows, each with its own SamplingParams."""
+
+    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+        self.device = torch.device(device)
+        # Shared noise source for rows whose request has no seed.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        """A per-request generator on the sampler's device (noise is drawn on
+        the logits' device, so a CPU generator would not do on CUDA)."""
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned_token_ids: list[list[int]] | None = None,
+    ) -> SamplerOutput:
+        num_rows, vocab = logits.shape
+        if len(params) != num_rows or len(generators) != num_rows:
+            raise ValueError(
+                f"Sampler got {num_rows} logit rows but {len(params)} params and "
+                f"{len(generators)} generators; pass exactly one of each per row"
+            )
+        if banned_token_ids is not None and len(banned_token_ids) != num_rows:
+            raise ValueError(
+                f"Sampler got {num_rows} logit rows but {len(banned_token_ids)} "
+                "banned_token_ids lists; pass one (possibly empty) list per row"
+            )
+        raw = logits.float()  # no-op for fp32; softmax maths wants fp32 anyway
+        masked = self._ban(raw, banned_token_ids)
+
+        # Greedy rows are decided on the host from params (no sync); argmax is
+        # cheap, so take it for every row and let sampled rows overwrite it.
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        tokens = masked.argmax(dim=-1)
+        if not all(greedy):
+            sampled = self._sample(masked, params, generators, greedy)
+            if any(greedy):
+                is_greedy = self._to_device(greedy, torch.bool)
+                tokens = torch.where(is_greedy, tokens, sampled)
+            else:
+                tokens = sampled
+
+        return self._collect(raw, tokens, params)
+
+    # ------------------------------------------------------------------ steps
+
+    def _ban(self, logits: torch.Tensor, banned: list[list[int]] | None) -> torch.Tensor:
+        """-inf at banned (row, token) pairs, on a copy: the caller's logits stay raw."""
+        if not banned or not any(banned):
+            return logits
+        rows = [r for r, ids in enumerate(banned) for _ in ids]
+        cols = [t for ids in banned for t in ids]
+        index = self._to_device([rows, cols], torch.long)
+        # A device-side fill for the value: a Python scalar would be copied
+        # host->device on every call.
+        minus_inf = torch.full((), float("-inf"), device=logits.device)
+        return logits.index_put((index[0], index[1]), minus_inf)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        """Temperature, filters, then one random draw per row. Greedy rows run
+        through too (temperature 1, no noise of their own); the caller discards them."""
+        vocab = logits.shape[-1]
+        table = [
+            [
+                1.0 if g else p.temperature,
+                p.top_k if 0 < p.top_k < vocab else vocab,  # vocab = keep all
+                p.top_p,
+                math.log(p.min_p) if p.min_p > 0 else -math.inf,
+            ]
+            for p, g in zip(params, greedy, strict=True)
+        ]
+        t = self._to_device(table, torch.float32)
+        logits = logits / t[:, _TEMP : _TEMP + 1]
+
+        live = [p for p, g in zip(params, greedy, strict=True) if not g]
+        need_top_p = any(p.top_p < 1.0 for p in live)
+        need_min_p = any(p.min_p > 0.0 for p in live)
+        max_k = max((p.top_k for p in live if 0 < p.top_k < vocab), default=0)
+        full_sort = any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in live)
+        if max_k or need_top_p or need_min_p:
+            cutoff = self._cutoff(logits, t, max_k, need_top_p, full_sort, need_min_p)
+            # Ties with the cutoff are all kept: equal logits mean equal
+            # probability, so no arbitrary sort order decides between them.
+            logits = logits.masked_fill(logits < cutoff, float("-inf"))
+
+        probs = logits.softmax(dim=-1)
+        noise = self._exponential_noise(probs, generators, greedy)
+        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p
+        # (the Gumbel-max trick in another guise), with no cumsum or search.
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _cutoff(
+        self,
+        logits: torch.Tensor,
+        t: torch.Tensor,
+        max_k: int,
+        need_top_p: bool,
+        full_sort: bool,
+        need_min_p: bool,
+    ) -> torch.Tensor:
+        """Per-row logit threshold [rows, 1]: a token survives iff logit >= cutoff.
+
+        `max_k` is the largest top-k any sampled row asks for (0: none does);
+        `full_sort` says some sampled row wants top-p without a top-k. Rows whose
+        filter is disabled get a cutoff that masks nothing exactly (not "almost
+        nothing"), so a row's tokens do not depend on whether another row in the
+        batch switched a filter on.
+        """
+        num_rows, vocab = logits.shape
+        cutoff = torch.full((num_rows, 1), float("-inf"), device=logits.device)
+        top_k = t[:, _TOP_K].long()[:, None]  # exact: vocab sizes fit a float32 mantissa
+
+        if max_k or need_top_p:
+            # Top-p needs the distribution in descending order, but only as far
+            # as top-k reaches: when every top-p row also has a top-k, a partial
+            # selection of max_k values replaces the full-vocabulary sort.
+            if full_sort:
+                ranked = logits.sort(dim=-1, descending=True).values
+            else:
+                ranked = logits.topk(max_k, dim=-1).values  # sorted, descending
+            width = ranked.shape[-1]
+            if max_k:
+                positions = torch.arange(width, device=logits.device)
+                ranked = ranked.masked_fill(positions >= top_k, float("-inf"))
+            num_kept = top_k
+            if need_top_p:
+                probs = ranked.softmax(dim=-1)  # renormalized over each row's top-k
+                mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
+                top_p = t[:, _TOP_P : _TOP_P + 1]
+                # Keep a token while the mass strictly before it is < top_p: the
+                # smallest prefix reaching top_p. top_p == 1 rows are exempt, since
+                # fp rounding can push the cumsum of the tail past 1.0.
+                drop = (mass_before >= top_p) & (top_p < 1.0)
+                num_kept = (~drop).sum(dim=-1, keepdim=True).clamp(max=top_k)
+            cutoff = ranked.gather(1, num_kept.clamp(max=width) - 1)
+            if not full_sort:
+                # Rows without a top-k were cut at width max_k; here they have
+                # top_p == 1 too (else full_sort), so they keep everything.
+                cutoff = cutoff.masked_fill(top_k >= vocab, float("-inf"))
+
+        if need_min_p:
+            # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p); no softmax
+            # needed, and top-k/top-p never remove the max, so order does not matter.
+            max_logit = logits.amax(dim=-1, keepdim=True)
+            cutoff = torch.maximum(cutoff, max_logit + t[:, _LOG_MIN_P : _LOG_MIN_P + 1])
+        return cutoff
+
+    def _exponential_noise(
+        self,
+        probs: torch.Tensor,
+        generators: list[torch.Generator | None],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        """Exp(1) noise [rows, vocab]. A seeded row's noise comes only from its own
+        generator, exactly `vocab` draws per step, so its stream is the same
+        whatever the batch; unseeded rows share the sampler's generator."""
+        live = [not g for g in greedy]
+        seeded = [
+            i
+            for i, (g, ok) in enumerate(zip(generators, live, strict=True))
+            if ok and g is not None
+        ]
+        if any(ok and g is None for g, ok in zip(generators, live, strict=True)):
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        else:
+            noise = torch.ones_like(probs)  # greedy rows' noise is never looked at
+        for i in seeded:
+            noise[i].exponential_(generator=generators[i])
+        # Some backends' exponential_ can return an exact 0 (pytorch#48841,
+        # #192577): 0/0 = NaN would win the argmax and pick a masked token.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _collect(
+        self, raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    ) -> SamplerOutput:
+        """Logprobs for the rows that asked, then everything to the host in one copy."""
+        num_rows = len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * num_rows)
+
+        if len(rows) == num_rows:
+            lp_logits, lp_tokens = raw, tokens
+        else:
+            index = self._to_device(rows, torch.long)
+            lp_logits, lp_tokens = raw.index_select(0, index), tokens.index_select(0, index)
+        logprobs = lp_logits.log_softmax(dim=-1)  # fp32: raw is fp32
+        chosen_lp = logprobs.gather(1, lp_tokens[:, None])
+        chosen_rank = (logprobs > chosen_lp).sum(dim=-1, keepdim=True) + 1
+        parts = [tokens, lp_tokens, chosen_lp, chosen_rank]
+
+        vocab = raw.shape[-1]
+        wanted = [min(params[i].logprobs or 0, vocab) for i in rows]  # tiny test vocabs
+        n = max(wanted)
+        if n:
+            top_lp, top_ids = logprobs.topk(n, dim=-1)  # sorted descending
+            # rank = 1 + #strictly greater. Anything strictly greater than a
+            # top-n value is itself in the top n, so an n x n comparison suffices
+            # (no second pass over the vocabulary, and ties share a rank).
+            top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(dim=-1) + 1
+            parts += [top_ids, top_lp, top_rank]
+
+        # One device->host copy for everything: float64 holds token ids and ranks
+        # exactly and fp32 logprobs losslessly.
+        host = torch.cat([x.flatten().double() for x in parts]).tolist()
+        num_lp = len(rows)
+        token_ids = [int(x) for x in host[:num_rows]]
+        fields = [host[num_rows + k * num_lp : num_rows + (k + 1) * num_lp] for k in range(3)]
+        top = host[num_rows + 3 * num_lp :]
+        out: list[list[TokenLogprob] | None] = [None] * num_rows
+        for j, i in enumerate(rows):
+            entries = [(int(fields[0][j]), fields[1][j], int(fields[2][j]))]
+            for m in range(wanted[j]):
+                at = j * n + m
+                entries.append((int(top[at]), top[num_lp * n + at], int(top[2 * num_lp * n + at])))
+            out[i] = entries
+        return SamplerOutput(token_ids=token_ids, logprobs=out)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        """Host list -> device tensor without a sync: a pageable H2D copy blocks
+        the host, a pinned one with non_blocking=True does not (the caching host
+        allocator keeps the pinned block alive until the copy is done)."""
+        pin = self.device.type == "cuda"
+        return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
