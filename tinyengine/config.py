@@ -15,6 +15,7 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "triton")
+_GRAPH_BACKENDS = ("auto", "cuda", "recording", "none")
 
 
 @dataclass
@@ -35,6 +36,15 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # "auto": triton on CUDA, torch on CPU
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # Decode batch sizes to capture as CUDA graphs; None: 1, 2, 4, 8, then
+    # every 8 up to max_num_seqs.
+    cuda_graph_sizes: list[int] | None = None
+    # "auto": real CUDA graphs on CUDA unless enforce_eager, none on CPU.
+    # "recording": a CPU stand-in that checks captured workspace addresses at
+    # every replay (tests use it to exercise capture/replay without a GPU).
+    graph_backend: str = "auto"
+    # Print the startup state machine's report (a small table) when READY.
+    print_startup_report: bool = True
 
     def __post_init__(self) -> None:
         if self.hf_overrides is None:
@@ -75,6 +85,19 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.cpu_kv_cache_gib <= 0:
             raise bad("cpu_kv_cache_gib", "must be > 0")
+        if self.graph_backend not in _GRAPH_BACKENDS:
+            raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes
+            or any(
+                not isinstance(s, int) or not 1 <= s <= self.max_num_seqs
+                for s in self.cuda_graph_sizes
+            )
+        ):
+            raise bad(
+                "cuda_graph_sizes",
+                f"must be a non-empty list of ints in [1, max_num_seqs={self.max_num_seqs}]",
+            )
         if not isinstance(self.hf_overrides, dict):
             raise bad("hf_overrides", "must be a dict merged into config.json")
 

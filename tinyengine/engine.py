@@ -11,12 +11,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
+from kernels import jit_monitor
 from models.loader import load_hf_config
 from tinyengine.config import EngineConfig
 from tinyengine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -26,7 +29,10 @@ from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request, RequestStatus
 from tinyengine.scheduling.scheduler import Scheduler
 from tinyengine.tokenizer import Tokenizer, load_tokenizer_if_present
+from tinyengine.warmup import run_warmup
+from tinyengine.worker.profiler import num_kv_blocks_for_budget, profile_run
 from tinyengine.worker.runner import ModelRunner
+from tinyengine.worker.startup import StartupMachine, StartupReport
 
 PromptType = str | dict[str, Any]
 
@@ -61,15 +67,72 @@ class LLMEngine:
             else _eos_token_ids_from_config(config.model, hf_config)
         )
         self.runner = ModelRunner(config, hf_config, device, dtype)
-        num_blocks = config.num_kv_blocks or self.runner.determine_num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.scheduler = Scheduler(
-            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
+        self.scheduler: Scheduler | None = None  # built once the KV cache is sized
         self.states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
+        self._jit_compiles_at_ready = 0
+        jit_monitor.install()
+        self.startup = StartupMachine(self)
+        self.startup.run_all()  # raises (machine FAILED, error kept) if a stage fails
+        if config.print_startup_report:
+            print(self.startup.report.table(), file=sys.stderr)
+
+    # --- startup stages (the StartupMachine calls these, in its order) ---
+
+    def set_stage(self, name: str) -> None:
+        self.runner.workspace.stage = name
+
+    def workspace_bytes(self) -> int:
+        return self.runner.workspace.size
+
+    def workspace_growths(self) -> int:
+        return self.runner.workspace.stats.num_growths
+
+    def memory_in_use(self) -> int:
+        if self.runner.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.runner.device)
+        with open("/proc/self/statm") as f:  # resident pages
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    @property
+    def capture_skip_reason(self) -> str:
+        return self.runner.capture_skip_reason
+
+    def _graph_sizes(self) -> list[int]:
+        """The decode sizes capture will record ([] when it will not)."""
+        if self.runner.make_graph_backend() is None:
+            return []
+        return self.runner.capture_sizes
+
+    def stage_load(self) -> None:
+        self.runner.load_model()
+
+    def stage_profile(self) -> int:
+        self._profile = profile_run(self.runner, self._graph_sizes())
+        return self._profile.peak_bytes
+
+    def stage_size_kv(self, profiled_peak: int) -> int:
+        num_blocks = self.config.num_kv_blocks or num_kv_blocks_for_budget(
+            self.runner, self._profile
+        )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(
+            BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
+        return num_blocks
+
+    def stage_warmup(self) -> None:
+        run_warmup(self, self._graph_sizes())
+        self._ids = itertools.count()
+
+    def stage_capture(self) -> list[int] | None:
+        return self.runner.capture()
+
+    def stage_lock(self) -> None:
+        self.runner.workspace.lock()
+        self._jit_compiles_at_ready = jit_monitor.num_compiles()
 
     # --- requests in ---
 
@@ -90,7 +153,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.runner.vocab_size})"
+                f"prompt token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.runner.vocab_size})"
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none")
@@ -170,6 +234,8 @@ class LLMEngine:
         status = request.check_token_stop()
         if state.detokenizer is not None:
             delta = state.detokenizer.step(token_id)
+            if status is not None:
+                delta += state.detokenizer.flush()  # release a trailing partial character
             state.text += delta
             params = request.sampling_params
             if params.stop and request.num_output_tokens >= params.min_tokens:
@@ -226,6 +292,10 @@ class LLMEngine:
             "num_steps": s.num_steps,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "jit_compiles_after_ready": jit_monitor.num_compiles() - self._jit_compiles_at_ready,
+            "workspace_bytes": self.runner.workspace.size,
+            "workspace_growths": self.runner.workspace.stats.num_growths,
+            "captured_graph_sizes": self.startup.report.captured_sizes,
         }
 
 
@@ -297,6 +367,9 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def startup_report(self) -> StartupReport:
+        return self.engine.startup.report
 
 
 def _eos_token_ids_from_config(model_path: str, hf_config: dict[str, Any]) -> set[int]:

@@ -173,24 +173,34 @@ def test_bfloat16_storage_computes_in_fp32() -> None:
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
 
 
-def test_host_lists_are_optional() -> None:
-    """Without *_cpu lists the op reads the device tensors (one sync) and
-    gives the same answer."""
+def test_dense_decode_path_matches_varlen_path() -> None:
+    """Without *_cpu lists (a decode inside a CUDA graph) the op takes the
+    dense, device-only path; it must agree with the exact varlen path, with or
+    without a workspace arena."""
+    from kernels.workspace import Workspace
+
     torch.manual_seed(0)
-    q = torch.randn(5, 2, 8)
-    k_cache = torch.randn(4, 16, 1, 8)
-    v_cache = torch.randn(4, 16, 1, 8)
+    q = torch.randn(3, 4, 8)
+    k_cache = torch.randn(6, 16, 2, 8)
+    v_cache = torch.randn(6, 16, 2, 8)
+    tables = torch.tensor([[3, 1, 0], [0, 2, 0], [5, 4, 1]], dtype=torch.int32)
     args = (
-        q, k_cache, v_cache, torch.tensor([[3, 1], [0, 2]], dtype=torch.int32),
-        torch.tensor([0, 4, 5], dtype=torch.int32), torch.tensor([20, 9], dtype=torch.int32),
-        0.3,
+        q, k_cache, v_cache, tables, torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+        torch.tensor([20, 9, 33], dtype=torch.int32), 0.3,
     )  # fmt: skip
-    a = paged_attention(*args, max_query_len=4, max_seq_len=20)
-    b = paged_attention(
-        *args, max_query_len=4, max_seq_len=20, query_start_loc_cpu=[0, 4, 5],
-        seq_lens_cpu=[20, 9],
+    exact = paged_attention(
+        *args, max_query_len=1, max_seq_len=33, query_start_loc_cpu=[0, 1, 2, 3],
+        seq_lens_cpu=[20, 9, 33],
     )  # fmt: skip
-    assert torch.equal(a, b)
+    dense = paged_attention(*args, max_query_len=1, max_seq_len=48)
+    torch.testing.assert_close(dense, exact, atol=1e-5, rtol=1e-5)
+    workspace = Workspace("cpu")
+    arena = paged_attention(*args, max_query_len=1, max_seq_len=48, workspace=workspace)
+    torch.testing.assert_close(arena, exact, atol=1e-5, rtol=1e-5)
+    assert workspace.stats.largest_request_bytes >= 2 * 3 * 3 * 16 * 2 * 8 * 4
+    with pytest.raises(ValueError, match="only\\s+decode batches|decode batches"):
+        paged_attention(*args[:4], torch.tensor([0, 2, 3]), *args[5:], max_query_len=2,
+                        max_seq_len=48)  # fmt: skip
 
 
 def test_write_kv_cache_skips_negative_slots() -> None:

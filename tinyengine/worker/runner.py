@@ -1,77 +1,58 @@
 """ModelRunner: turns one scheduler step into one forward pass and one sample.
 
-Owns the model, the KV cache tensors, the sampler, per-request random
-generators, and the *persistent input buffers* — input_ids, positions,
-slot_mapping, query_start_loc, seq_lens, block_tables — allocated once at their
-worst-case size and rewritten in place every step. Persistent buffers are what
-make CUDA graphs possible later: a captured graph reads fixed addresses, so the
-inputs must always live at those addresses (vLLM's V2 runner design).
+Owns the model, the KV cache tensors, the workspace arena, the sampler,
+per-request random generators, the decode CUDA graphs, and the *persistent
+input buffers* — input_ids, positions, slot_mapping, query_start_loc,
+seq_lens, block_tables — allocated once at their worst-case size and rewritten
+in place every step. Persistent buffers are what make CUDA graphs possible: a
+captured graph reads fixed addresses, so the inputs must always live there
+(vLLM's V2 runner design).
 
-It never decides what runs (the scheduler does) and never looks at text.
+It never decides what runs (the scheduler does), never looks at text, and
+does the startup stages' GPU work only when the startup machine calls it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 import kernels
+from kernels.workspace import Workspace
 from models.context import AttentionMetadata, ForwardContext
 from models.loader import load_model
 from tinyengine.config import EngineConfig
 from tinyengine.scheduling.scheduler import SchedulerOutput
+from tinyengine.worker.cuda_graphs import (
+    CudaGraphBackend,
+    DecodeGraphs,
+    RecordingGraphBackend,
+    default_capture_sizes,
+)
+from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from tinyengine.worker.sampler import Sampler, SamplerOutput
 
-
-@dataclass
-class InputBuffers:
-    """Worst-case-sized device tensors written in place each step."""
-
-    input_ids: torch.Tensor  # int64 [max_num_batched_tokens]
-    positions: torch.Tensor  # int64 [max_num_batched_tokens]
-    slot_mapping: torch.Tensor  # int64 [max_num_batched_tokens]
-    query_start_loc: torch.Tensor  # int32 [max_num_seqs + 1]
-    seq_lens: torch.Tensor  # int32 [max_num_seqs]
-    block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks_per_seq]
-    logits_indices: torch.Tensor  # int64 [max_num_seqs]
-
-    @classmethod
-    def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device) -> InputBuffers:
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        return cls(
-            input_ids=zeros(max_tokens, dtype=torch.int64),
-            positions=zeros(max_tokens, dtype=torch.int64),
-            slot_mapping=zeros(max_tokens, dtype=torch.int64),
-            query_start_loc=zeros(max_seqs + 1, dtype=torch.int32),
-            seq_lens=zeros(max_seqs, dtype=torch.int32),
-            block_tables=zeros(max_seqs, max_blocks, dtype=torch.int32),
-            logits_indices=zeros(max_seqs, dtype=torch.int64),
-        )
+# One step's rows, as plain lists: what prepare_inputs writes into the buffers.
+StepRows = tuple[list[int], list[int], list[int], list[int], list[list[int]]]
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        config: EngineConfig,
-        hf_config: dict,
-        device: str,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, config: EngineConfig, hf_config: dict, device: str, dtype: torch.dtype):
         self.config = config
+        self.hf_config = hf_config
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = config.block_size
+        assert config.max_model_len is not None, "resolve max_model_len before building the runner"
         self.max_model_len = config.max_model_len
-        assert self.max_model_len is not None, "resolve max_model_len before building the runner"
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-
-        self.model = load_model(config.model, hf_config, dtype, self.device)
         self.vocab_size = int(hf_config["vocab_size"])
+
+        self.model: torch.nn.Module | None = None
+        self.workspace = Workspace(self.device)
         self.attention_ops = kernels.get_attention_ops(
             config.resolved_attention_backend(self.device.type)
         )
@@ -82,8 +63,18 @@ class ModelRunner:
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_blocks = 0
+        self.dummy_block = 0  # a reserved block that padding rows write to
+        self.capture_sizes = sorted(
+            set(config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs))
+        )
+        self.graphs: DecodeGraphs | None = None
+        self.capture_skip_reason = ""
+        self._decode_ctxs: dict[int, ForwardContext] = {}
 
-    # --- KV cache ---
+    # --- stage work: load, KV cache ---
+
+    def load_model(self) -> None:
+        self.model = load_model(self.config.model, self.hf_config, self.dtype, self.device)
 
     def kv_bytes_per_block(self) -> int:
         num_kv_heads, head_dim = self.model.kv_cache_shape_per_layer()
@@ -91,37 +82,15 @@ class ModelRunner:
             self.model.num_attention_layers, self.block_size, num_kv_heads, head_dim, self.dtype
         )
 
-    def determine_num_kv_blocks(self) -> int:
-        """How many blocks fit the memory budget. (The startup state machine
-        replaces this estimate with a profiled one.)"""
-        per_block = self.kv_bytes_per_block()
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * self.config.gpu_memory_utilization) - used
-            # Activations of the largest step, roughly: a few hidden-sized
-            # fp32 buffers per batched token. Profiling makes this exact.
-            hidden = int(getattr(self.model, "hidden_size", 4096))
-            budget -= 64 * self.config.max_num_batched_tokens * hidden
-        else:
-            budget = int(self.config.cpu_kv_cache_gib * 2**30)
-        num_blocks = budget // per_block
-        # No point holding more than every sequence at full length can use.
-        num_blocks = min(num_blocks, self.config.max_num_seqs * self.max_blocks_per_seq)
-        if num_blocks < self.max_blocks_per_seq:
-            raise ValueError(
-                f"the KV cache budget holds {max(num_blocks, 0)} blocks of {self.block_size} "
-                f"tokens ({per_block} bytes each) but one max_model_len={self.max_model_len} "
-                f"sequence needs {self.max_blocks_per_seq}; lower max_model_len or raise "
-                "gpu_memory_utilization / cpu_kv_cache_gib"
-            )
-        return num_blocks
-
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """`num_blocks` usable blocks plus one reserved dummy block (the last)
+        that padding rows and profile batches write into."""
+        self.kv_caches = []  # release the old cache before allocating the new one
+        self._decode_ctxs.clear()
         num_kv_heads, head_dim = self.model.kv_cache_shape_per_layer()
         self.kv_caches = allocate_kv_cache(
             self.model.num_attention_layers,
-            num_blocks,
+            num_blocks + 1,
             self.block_size,
             num_kv_heads,
             head_dim,
@@ -129,46 +98,59 @@ class ModelRunner:
             self.device,
         )
         self.num_kv_blocks = num_blocks
+        self.dummy_block = num_blocks
+
+    def zero_kv_cache(self) -> None:
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.zero_()
+            v_cache.zero_()
 
     # --- one step ---
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[ForwardContext, int, list[int]]:
-        """Write the step's inputs into the persistent buffers. Returns the
-        forward context, the number of token rows, and for each scheduled
-        request the row whose logits it samples from (-1: no sample)."""
+    def _rows(self, plan: SchedulerOutput) -> StepRows:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start_loc = [0]
         seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        num_seqs = len(out.scheduled)
-        block_table = np.zeros((num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        for i, sched in enumerate(out.scheduled):
+        tables: list[list[int]] = []
+        for sched in plan.scheduled:
             request, start, end = sched.request, sched.start, sched.start + sched.num_new_tokens
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             block_ids = request.block_ids
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            query_start_loc.append(len(input_ids))
             seq_lens.append(end)
-            block_table[i, : len(block_ids)] = block_ids
-            sample_rows.append(len(input_ids) - 1 if sched.samples else -1)
+            tables.append(block_ids)
+        return input_ids, positions, slots, seq_lens, tables
 
-        num_tokens = len(input_ids)
+    def _write_tables(self, tables: list[list[int]], pad_to: int = 0) -> None:
+        num_rows = max(len(tables), pad_to)
+        table = np.full((num_rows, self.max_blocks_per_seq), self.dummy_block, dtype=np.int32)
+        for i, block_ids in enumerate(tables):
+            table[i, : len(block_ids)] = block_ids
+        self.buffers.block_tables[:num_rows].copy_(torch.from_numpy(table), non_blocking=True)
+
+    def prepare_inputs(self, plan: SchedulerOutput) -> ForwardContext:
+        """Write an eager step's inputs into the persistent buffers."""
+        input_ids, positions, slots, seq_lens, tables = self._rows(plan)
+        q_lens = [s.num_new_tokens for s in plan.scheduled]
+        query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
+        return self._write_eager(input_ids, positions, slots, query_start_loc, seq_lens, tables)
+
+    def _write_eager(self, input_ids, positions, slots, query_start_loc, seq_lens, tables):
         b = self.buffers
-        _write(b.input_ids, input_ids)
-        _write(b.positions, positions)
-        _write(b.slot_mapping, slots)
-        _write(b.query_start_loc, query_start_loc)
-        _write(b.seq_lens, seq_lens)
-        b.block_tables[:num_seqs].copy_(torch.from_numpy(block_table), non_blocking=True)
-
+        write(b.input_ids, input_ids)
+        write(b.positions, positions)
+        write(b.slot_mapping, slots)
+        write(b.query_start_loc, query_start_loc)
+        write(b.seq_lens, seq_lens)
+        self._write_tables(tables)
+        num_tokens, num_seqs = len(input_ids), len(seq_lens)
         attn = AttentionMetadata(
             num_tokens=num_tokens,
             num_seqs=num_seqs,
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_query_len=int(np.diff(query_start_loc).max()),
             max_seq_len=max(seq_lens),
             query_start_loc=b.query_start_loc[: num_seqs + 1],
             seq_lens=b.seq_lens[:num_seqs],
@@ -177,25 +159,67 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        ctx = ForwardContext(attn=attn, kv_caches=self.kv_caches, attention_ops=self.attention_ops)
-        return ctx, num_tokens, sample_rows
+        return self._context(attn)
+
+    def _context(self, attn: AttentionMetadata) -> ForwardContext:
+        return ForwardContext(attn, self.kv_caches, self.attention_ops, self.workspace)
+
+    def decode_context(self, size: int) -> ForwardContext:
+        """The fixed context of a graph-shaped decode batch of `size` rows: it
+        reads only device buffers (no host lengths) and sizes kernels for
+        max_model_len, so one capture serves every later step of that size."""
+        ctx = self._decode_ctxs.get(size)
+        if ctx is None:
+            b = self.buffers
+            attn = AttentionMetadata(
+                num_tokens=size,
+                num_seqs=size,
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                query_start_loc=b.query_start_loc[: size + 1],
+                seq_lens=b.seq_lens[:size],
+                block_tables=b.block_tables[:size],
+                slot_mapping=b.slot_mapping[:size],
+                query_start_loc_cpu=None,
+                seq_lens_cpu=None,
+            )
+            ctx = self._decode_ctxs[size] = self._context(attn)
+        return ctx
+
+    def write_decode_inputs(self, size: int, rows: StepRows) -> None:
+        """Decode rows into the buffers, padded to `size` rows. Padding rows are
+        one-token sequences in the reserved dummy block: they compute garbage
+        that nobody reads and can never touch a live block."""
+        input_ids, positions, slots, seq_lens, tables = rows
+        pad = size - len(input_ids)
+        dummy_slot = self.dummy_block * self.block_size
+        b = self.buffers
+        write(b.input_ids, input_ids + [0] * pad)
+        write(b.positions, positions + [0] * pad)
+        write(b.slot_mapping, slots + [dummy_slot] * pad)
+        write(b.query_start_loc, list(range(size + 1)))
+        write(b.seq_lens, seq_lens + [1] * pad)
+        self._write_tables(tables, pad_to=size)
+
+    def decode_step(self, size: int) -> Callable[[], torch.Tensor]:
+        """The callable a decode graph captures: the model over `size` rows."""
+        b, ctx = self.buffers, self.decode_context(size)
+        return lambda: self.model(b.input_ids[:size], b.positions[:size], ctx)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], SamplerOutput | None]:
+    def execute(self, plan: SchedulerOutput) -> tuple[list[int | None], SamplerOutput | None]:
         """Run the model on the step and sample. Returns the sampled token per
         scheduled request (None where its chunk does not reach its end) and the
-        raw sampler output (for logprobs), in the order of `out.scheduled`."""
-        ctx, num_tokens, sample_rows = self.prepare_inputs(out)
-        b = self.buffers
-        hidden = self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
-
+        sampler output (for logprobs), in the order of `plan.scheduled`."""
+        hidden, sample_rows = self._forward(plan)
         sampling = [i for i, row in enumerate(sample_rows) if row >= 0]
         if not sampling:
             return [None] * len(sample_rows), None
-        _write(b.logits_indices, [sample_rows[i] for i in sampling])
+        b = self.buffers
+        write(b.logits_indices, [sample_rows[i] for i in sampling])
         logits = self.model.compute_logits(hidden[b.logits_indices[: len(sampling)]])
 
-        requests = [out.scheduled[i].request for i in sampling]
+        requests = [plan.scheduled[i].request for i in sampling]
         sampled = self.sampler(
             logits,
             [r.sampling_params for r in requests],
@@ -207,23 +231,62 @@ class ModelRunner:
             tokens[i] = token_id
         return tokens, sampled
 
+    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Replay a decode graph when one fits the batch, else run eagerly.
+        Returns hidden states and, per scheduled request, its sampling row."""
+        num_seqs = len(plan.scheduled)
+        is_decode = all(s.num_new_tokens == 1 for s in plan.scheduled)
+        size = self.graphs.padded_size(num_seqs) if self.graphs and is_decode else None
+        if size is not None:
+            self.write_decode_inputs(size, self._rows(plan))
+            hidden = self.graphs.replay(size, self.decode_step(size))
+            return hidden, list(range(num_seqs))
+        ctx = self.prepare_inputs(plan)
+        b, n = self.buffers, ctx.attn.num_tokens
+        hidden = self.model(b.input_ids[:n], b.positions[:n], ctx)
+        ends = ctx.attn.query_start_loc_cpu[1:]
+        rows = [end - 1 if s.samples else -1 for s, end in zip(plan.scheduled, ends, strict=True)]
+        return hidden, rows
+
+    # --- stage work: capture ---
+
+    def make_graph_backend(self) -> CudaGraphBackend | RecordingGraphBackend | None:
+        """None (with capture_skip_reason set) when this run does not capture."""
+        choice = self.config.graph_backend
+        if self.config.enforce_eager or choice == "none":
+            self.capture_skip_reason = "enforce_eager" if self.config.enforce_eager else "none"
+            return None
+        if choice == "recording":
+            return RecordingGraphBackend(self.workspace)
+        if self.device.type != "cuda":
+            self.capture_skip_reason = "no CUDA device"
+            return None
+        return CudaGraphBackend(self.device)
+
+    @torch.inference_mode()
+    def capture(self) -> list[int] | None:
+        backend = self.make_graph_backend()
+        if backend is None:
+            return None
+        graphs = DecodeGraphs(backend)
+        for size in sorted(self.capture_sizes, reverse=True):  # largest first: one shared pool
+            self.write_decode_inputs(size, ([], [], [], [], []))
+            graphs.capture(size, self.decode_step(size))
+        self.graphs = graphs
+        return graphs.sizes
+
+    # --- per-request state ---
+
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
         generator = self.generators.get(request_id)
         if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            self.generators[request_id] = generator
+            generator = self.generators[request_id] = self.sampler.new_generator(seed)
         return generator
 
     def free_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
-
-
-def _write(buffer: torch.Tensor, values: list[int]) -> None:
-    if values:
-        buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
 
 
 def _banned_tokens(request) -> list[int]:

@@ -1,0 +1,62 @@
+"""Warmup: scheduler-realistic batches through the real engine, then one eager
+run of every shape that will be captured.
+
+Owns the choice of warmup workload. It drives the engine's public request path
+(add_request / step), so the scheduler, runner, sampler and detokenizer all
+see real traffic, and every Triton kernel compiles for every shape class it
+will meet. Afterwards it leaves no trace: KV cache zeroed, block manager reset
+(a warmup block must never serve a prefix-cache hit), stats cleared.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tinyengine.sampling_params import SamplingParams
+from tinyengine.scheduling.scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from tinyengine.engine import LLMEngine
+
+DECODE_STEPS = 3
+
+
+def run_warmup(engine: LLMEngine, graph_sizes: list[int]) -> None:
+    cfg, runner = engine.config, engine.runner
+    block_manager = engine.scheduler.block_manager
+    # As many sequences as a step allows, each with an equal share of the
+    # token budget, then a few decode steps with all of them running.
+    prompt_len = max(1, min(cfg.max_num_batched_tokens // cfg.max_num_seqs,
+                            runner.max_model_len - DECODE_STEPS - 1))  # fmt: skip
+    per_seq_blocks = block_manager.blocks_needed(prompt_len + DECODE_STEPS)
+    num_seqs = max(1, min(cfg.max_num_seqs, block_manager.num_blocks // per_seq_blocks))
+    gen = torch.Generator().manual_seed(1234)
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=DECODE_STEPS,
+                       ignore_eos=True, seed=1, logprobs=2),  # fmt: skip
+    ]
+    ids = []
+    for i in range(num_seqs):
+        prompt = torch.randint(0, runner.vocab_size, (prompt_len,), generator=gen).tolist()
+        ids.append(engine.add_request({"prompt_token_ids": prompt}, kinds[i % 2], f"warmup-{i}"))
+    for _ in range(10 * (num_seqs * prompt_len // cfg.max_num_batched_tokens + DECODE_STEPS + 2)):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    for request_id in ids:  # anything unfinished (should be none) goes too
+        engine.abort_request(request_id)
+
+    # One eager run of every shape that will be captured, through the very
+    # callable the graph will capture.
+    with torch.inference_mode():
+        for size in graph_sizes:
+            runner.write_decode_inputs(size, ([], [], [], [], []))
+            runner.decode_step(size)()
+
+    runner.zero_kv_cache()
+    block_manager.reset()
+    engine.scheduler.stats = SchedulerStats()
+    runner.generators.clear()

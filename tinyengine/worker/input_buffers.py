@@ -1,0 +1,49 @@
+"""The runner's persistent input buffers: worst-case-sized device tensors that
+every step writes in place.
+
+Owns their shapes and the one way to fill them. Why persistent: a CUDA graph
+replays against the addresses it captured, so a step's inputs must land in
+the same tensors every time; allocating fresh input tensors per step would
+leave graphs reading stale memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class InputBuffers:
+    input_ids: torch.Tensor  # int64 [max_num_batched_tokens]
+    positions: torch.Tensor  # int64 [max_num_batched_tokens]
+    slot_mapping: torch.Tensor  # int64 [max_num_batched_tokens]
+    query_start_loc: torch.Tensor  # int32 [max_num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [max_num_seqs]
+    block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks_per_seq]
+    logits_indices: torch.Tensor  # int64 [max_num_seqs]
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device) -> InputBuffers:
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        # A decode graph of max_num_seqs rows reads max_num_seqs token slots,
+        # even when max_num_batched_tokens is smaller.
+        max_tokens = max(max_tokens, max_seqs)
+        return cls(
+            input_ids=zeros(max_tokens, dtype=torch.int64),
+            positions=zeros(max_tokens, dtype=torch.int64),
+            slot_mapping=zeros(max_tokens, dtype=torch.int64),
+            query_start_loc=zeros(max_seqs + 1, dtype=torch.int32),
+            seq_lens=zeros(max_seqs, dtype=torch.int32),
+            block_tables=zeros(max_seqs, max_blocks, dtype=torch.int32),
+            logits_indices=zeros(max_seqs, dtype=torch.int64),
+        )
+
+
+def write(buffer: torch.Tensor, values: list[int]) -> None:
+    """Copy host values into the front of a persistent buffer."""
+    if values:
+        buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)

@@ -1,0 +1,225 @@
+"""The startup state machine: load -> profile -> size KV -> warmup -> capture -> lock.
+
+Owns the ORDER of startup and its report; the work of each stage is done by
+the target it drives (the engine, which owns the runner and the scheduler).
+It must never let a stage run out of order, and never swallow a failure.
+
+    CREATED -> LOADED -> PROFILED -> KV_READY -> WARM -> CAPTURED -> READY
+       load      profile    size_kv    warmup    capture     lock
+    any stage that raises -> FAILED (holding the error)
+
+Why this order (see docs/startup.md): a CUDA graph bakes in the addresses of
+every buffer it touches, the shared workspace arena included. Profiling sizes
+the arena for the worst step before KV sizing (so the KV budget accounts for
+it); warmup runs every shape that will be captured (a smaller batch may want
+more scratch) so capture itself allocates nothing new; locking after capture
+turns any later growth — which would free memory the graphs still use — into a
+WorkspaceLockedError instead of silent corruption.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Stage(enum.Enum):
+    CREATED = "created"
+    LOADED = "loaded"
+    PROFILED = "profiled"
+    KV_READY = "kv_ready"
+    WARM = "warm"
+    CAPTURED = "captured"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class StartupOrderError(RuntimeError):
+    """A startup transition was called out of order."""
+
+
+class StartupFailedError(RuntimeError):
+    """A startup stage raised; the machine is FAILED and holds the cause."""
+
+
+# transition name -> (state it needs, state it reaches)
+TRANSITIONS: dict[str, tuple[Stage, Stage]] = {
+    "load": (Stage.CREATED, Stage.LOADED),
+    "profile": (Stage.LOADED, Stage.PROFILED),
+    "size_kv": (Stage.PROFILED, Stage.KV_READY),
+    "warmup": (Stage.KV_READY, Stage.WARM),
+    "capture": (Stage.WARM, Stage.CAPTURED),
+    "lock": (Stage.CAPTURED, Stage.READY),
+}
+_NEEDS = {after: name for name, (_, after) in TRANSITIONS.items()}
+
+
+class StartupTarget(Protocol):
+    """What the machine drives. Each method does one stage's work."""
+
+    def workspace_bytes(self) -> int: ...
+    def workspace_growths(self) -> int: ...
+    def memory_in_use(self) -> int: ...
+    def stage_load(self) -> None: ...
+    def stage_profile(self) -> int: ...  # returns the profiled peak (bytes)
+    def stage_size_kv(self, profiled_peak: int) -> int: ...  # returns num KV blocks
+    def stage_warmup(self) -> None: ...
+    def stage_capture(self) -> list[int] | None: ...  # captured sizes; None = skipped
+    def stage_lock(self) -> None: ...
+    def set_stage(self, name: str) -> None: ...  # tells the workspace who is growing it
+
+
+@dataclass
+class StageRecord:
+    name: str
+    seconds: float
+    memory_before: int
+    memory_after: int
+    workspace_bytes: int
+    workspace_growths: int  # growths during this stage
+    skipped: bool = False
+    note: str = ""
+
+
+@dataclass
+class StartupReport:
+    state: str = Stage.CREATED.value
+    stages: list[StageRecord] = field(default_factory=list)
+    profiled_peak_bytes: int = 0
+    num_kv_blocks: int = 0
+    captured_sizes: list[int] = field(default_factory=list)
+    workspace_bytes_at_kv_sizing: int = 0
+    workspace_growth_after_kv_sizing: int = 0  # bytes; 0 when profile reached the worst case
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    def table(self) -> str:
+        mib = 2**20
+        lines = [
+            f"{'stage':<9} {'seconds':>8} {'mem before':>11} {'mem after':>10} "
+            f"{'workspace':>10} {'growths':>7}  note",
+        ]
+        for s in self.stages:
+            note = "skipped: " + s.note if s.skipped else s.note
+            lines.append(
+                f"{s.name:<9} {s.seconds:>8.3f} {s.memory_before / mib:>8.1f}MiB "
+                f"{s.memory_after / mib:>7.1f}MiB {s.workspace_bytes / mib:>7.2f}MiB "
+                f"{s.workspace_growths:>7}  {note}"
+            )
+        lines.append(
+            f"state={self.state} kv_blocks={self.num_kv_blocks} "
+            f"captured={self.captured_sizes or 'none'} "
+            f"workspace_growth_after_kv_sizing={self.workspace_growth_after_kv_sizing}B"
+        )
+        if self.error:
+            lines.append(f"error: {self.error}")
+        return "\n".join(lines)
+
+
+class StartupMachine:
+    def __init__(self, target: StartupTarget) -> None:
+        self.target = target
+        self.state = Stage.CREATED
+        self.error: BaseException | None = None
+        self.report = StartupReport()
+
+    # --- the transitions, one method each ---
+
+    def load(self) -> None:
+        self._run("load", self.target.stage_load)
+
+    def profile(self) -> None:
+        def work() -> str:
+            self.report.profiled_peak_bytes = self.target.stage_profile()
+            return f"peak {self.report.profiled_peak_bytes / 2**20:.1f} MiB"
+
+        self._run("profile", work)
+
+    def size_kv(self) -> None:
+        def work() -> str:
+            self.report.num_kv_blocks = self.target.stage_size_kv(self.report.profiled_peak_bytes)
+            self.report.workspace_bytes_at_kv_sizing = self.target.workspace_bytes()
+            return f"{self.report.num_kv_blocks} blocks"
+
+        self._run("size_kv", work)
+
+    def warmup(self) -> None:
+        self._run("warmup", self.target.stage_warmup)
+
+    def capture(self) -> None:
+        def work() -> str | None:
+            sizes = self.target.stage_capture()
+            if sizes is None:
+                return None
+            self.report.captured_sizes = list(sizes)
+            return f"{len(sizes)} graphs"
+
+        self._run("capture", work)
+
+    def lock(self) -> None:
+        def work() -> str:
+            self.target.stage_lock()
+            growth = self.target.workspace_bytes() - self.report.workspace_bytes_at_kv_sizing
+            self.report.workspace_growth_after_kv_sizing = growth
+            return "workspace locked"
+
+        self._run("lock", work)
+
+    def run_all(self) -> StartupReport:
+        for name in TRANSITIONS:
+            getattr(self, name)()
+        return self.report
+
+    @property
+    def ready(self) -> bool:
+        return self.state == Stage.READY
+
+    # --- machinery ---
+
+    def _run(self, name: str, work) -> None:
+        needed, reached = TRANSITIONS[name]
+        if self.state == Stage.FAILED:
+            raise StartupOrderError(
+                f"startup failed earlier ({self.error!r}); {name}() cannot run on a FAILED machine"
+            )
+        if self.state != needed:
+            first = _NEEDS.get(needed, "nothing")
+            raise StartupOrderError(
+                f"{name}() needs stage {needed.name} (reached by {first}()), but the machine is "
+                f"at {self.state.name}"
+            )
+        target = self.target
+        target.set_stage(name)
+        growths_before = target.workspace_growths()
+        memory_before = target.memory_in_use()
+        start = time.perf_counter()
+        try:
+            result = work()
+        except BaseException as exc:
+            self.state = Stage.FAILED
+            self.error = exc
+            self.report.state = Stage.FAILED.value
+            self.report.error = f"{name}: {type(exc).__name__}: {exc}"
+            raise
+        skipped = name == "capture" and result is None
+        self.report.stages.append(
+            StageRecord(
+                name=name,
+                seconds=time.perf_counter() - start,
+                memory_before=memory_before,
+                memory_after=target.memory_in_use(),
+                workspace_bytes=target.workspace_bytes(),
+                workspace_growths=target.workspace_growths() - growths_before,
+                skipped=skipped,
+                note=(getattr(target, "capture_skip_reason", "") if skipped else result or ""),
+            )
+        )
+        self.state = reached
+        self.report.state = reached.value
+        target.set_stage("serving" if reached == Stage.READY else f"after_{name}")
