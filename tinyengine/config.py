@@ -25,8 +25,11 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": the checkpoint's torch_dtype on CUDA, float32 on CPU
     device: str = "auto"  # "auto": cuda when available
     block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: a device default. CUDA: 256 sequences, 8192 tokens per step (vLLM's).
+    # CPU: 16 and 512, because startup profiles and warms up the worst step
+    # and a CPU step of 8192 tokens takes tens of seconds even for a 135M model.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # overrides KV sizing
     gpu_memory_utilization: float = 0.9
@@ -73,7 +76,10 @@ class EngineConfig:
             raise bad("attention_backend", f"must be one of {_BACKENDS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            optional = name != "block_size" and value is None
+            if not optional and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise bad(name, "must be a positive integer")
         if self.block_size & (self.block_size - 1):
             raise bad("block_size", "must be a power of two")
@@ -87,17 +93,6 @@ class EngineConfig:
             raise bad("cpu_kv_cache_gib", "must be > 0")
         if self.graph_backend not in _GRAPH_BACKENDS:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
-        if self.cuda_graph_sizes is not None and (
-            not self.cuda_graph_sizes
-            or any(
-                not isinstance(s, int) or not 1 <= s <= self.max_num_seqs
-                for s in self.cuda_graph_sizes
-            )
-        ):
-            raise bad(
-                "cuda_graph_sizes",
-                f"must be a non-empty list of ints in [1, max_num_seqs={self.max_num_seqs}]",
-            )
         if not isinstance(self.hf_overrides, dict):
             raise bad("hf_overrides", "must be a dict merged into config.json")
 
@@ -112,6 +107,25 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but no CUDA device is available")
         return self.device
+
+    def resolve_limits(self, device: str) -> None:
+        """Fill in the per-step limits left to the device default."""
+        cuda = device == "cuda"
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 256 if cuda else 16
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if cuda else 512
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes
+            or any(
+                not isinstance(s, int) or not 1 <= s <= self.max_num_seqs
+                for s in self.cuda_graph_sizes
+            )
+        ):
+            raise ValueError(
+                "EngineConfig.cuda_graph_sizes must be a non-empty list of ints in "
+                f"[1, max_num_seqs={self.max_num_seqs}], got {self.cuda_graph_sizes!r}"
+            )
 
     def resolved_attention_backend(self, device: str) -> str:
         if self.attention_backend != "auto":

@@ -54,6 +54,7 @@ class LLMEngine:
         hf_config = load_hf_config(config.model, config.hf_overrides)
         self.hf_config = hf_config
         device = config.resolved_device()
+        config.resolve_limits(device)
         dtype = config.resolved_dtype(hf_config, device)
         config.resolve_max_model_len(hf_config)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]

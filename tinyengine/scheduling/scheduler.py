@@ -34,12 +34,13 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # computes positions [start, start + num_new_tokens)
     start: int  # == request.num_computed_tokens when scheduled
+    # True when this chunk reaches the request's last token, so the step yields
+    # the logits for its next token. Fixed at scheduling time: once the sampled
+    # token is appended, the request's own counts no longer tell.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so the step
-        yields the logits for its next token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass

@@ -1,0 +1,236 @@
+"""A fake model and an engine-shaped driver for the scheduler tests.
+
+The driver runs the scheduler exactly as the engine does (schedule -> forward ->
+update_from_output -> stop checks -> finish) with a "model" whose next token is
+a pure function of the token ids it *reads back from a shadow KV cache*. The
+shadow cache maps (block_id, offset) -> the token id written there, so every
+step checks that what the scheduler claims is computed (a prefix hit, an earlier
+chunk, a resumed request's recompute) really sits in that request's blocks.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+from dataclasses import dataclass, field
+
+from tinyengine.sampling_params import SamplingParams
+from tinyengine.scheduling.block_manager import BlockManager
+from tinyengine.scheduling.request import Request, RequestStatus
+from tinyengine.scheduling.scheduler import Scheduler, SchedulerOutput
+
+VOCAB = 7
+
+
+def next_token(token_ids: list[int], vocab: int = VOCAB) -> int:
+    """The fake model: a deterministic function of the whole context."""
+    return zlib.crc32(array("q", token_ids).tobytes()) % vocab
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    ignore_eos: bool = True,
+    eos: frozenset[int] = frozenset(),
+    min_tokens: int = 0,
+    stop_token_ids: list[int] | None = None,
+) -> Request:
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        min_tokens=min(min_tokens, max_tokens),
+        stop_token_ids=stop_token_ids,
+    )
+    return Request(request_id, prompt, params, max_tokens, eos)
+
+
+def snapshot(bm: BlockManager, *requests: Request) -> tuple:
+    """Everything a failed allocation must leave unchanged."""
+    return (
+        list(bm.free_queue),
+        dict(bm.cached),
+        [(b.ref_count, b.block_hash) for b in bm.blocks],
+        [list(r.block_ids) for r in requests],
+    )
+
+
+def reference_output(request: Request, vocab: int = VOCAB) -> tuple[list[int], RequestStatus]:
+    """What `request` must generate: the fake model run alone, no scheduler."""
+    tokens = list(request.prompt_token_ids)
+    probe = Request(
+        "ref", tokens, request.sampling_params, request.max_tokens, request.eos_token_ids
+    )
+    while True:
+        probe.append_output_token(next_token(probe.all_token_ids, vocab))
+        status = probe.check_token_stop()
+        if status is not None:
+            return probe.output_token_ids, status
+
+
+@dataclass
+class Sim:
+    """One engine-shaped driver around a Scheduler + BlockManager."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool = True
+    vocab: int = VOCAB
+    shadow: dict[tuple[int, int], int] = field(default_factory=dict)
+    finished: dict[str, Request] = field(default_factory=dict)
+    history: list[SchedulerOutput] = field(default_factory=list)
+    # Per step, the sampled token per scheduled row (None: a prefill chunk that
+    # did not reach the end). Recorded because ScheduledRequest.samples is
+    # computed from the live request and reads False once the token is appended.
+    sampled_history: list[list[int | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.sched = Scheduler(self.bm, self.max_num_seqs, self.max_num_batched_tokens)
+
+    # --- checks ---
+
+    def live(self) -> list[Request]:
+        return list(self.sched.requests.values())
+
+    def check(self, exact_blocks: bool = True) -> None:
+        """Scheduler-wide invariants. `exact_blocks`: between steps a running
+        request holds exactly the blocks its computed tokens need (mid-step a
+        scheduled one also holds those for its chunk)."""
+        sched, bm = self.sched, self.bm
+        assert len(sched.running) <= sched.max_num_seqs
+        assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+        assert all(r.status == RequestStatus.WAITING for r in sched.waiting)
+        assert all(not r.block_ids for r in sched.waiting), "a waiting request holds blocks"
+        assert all(r.num_computed_tokens == 0 for r in sched.waiting)
+        ids = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
+        assert sorted(ids) == sorted(sched.requests), "running + waiting != requests"
+        for r in sched.running:
+            assert 0 <= r.num_computed_tokens < r.num_tokens, r
+            if exact_blocks:
+                assert len(r.block_ids) == bm.blocks_needed(r.num_computed_tokens), r
+        bm.check_invariants(self.live())
+        # A block shared by several live requests is a cached prefix block at
+        # the same position in each of them.
+        where: dict[int, set[int]] = {}
+        for r in self.live():
+            for j, b in enumerate(r.block_ids):
+                where.setdefault(b, set()).add(j)
+        for b, positions in where.items():
+            if bm.blocks[b].ref_count > 1:
+                assert bm.blocks[b].block_hash is not None, f"block {b} shared but not cached"
+                assert len(positions) == 1, f"block {b} shared at positions {positions}"
+        if not sched.has_unfinished_requests():
+            assert bm.num_free_blocks == bm.num_blocks, "idle with blocks in use (leak)"
+
+    def check_plan(self, out: SchedulerOutput) -> None:
+        bm = self.bm
+        assert out.num_batched_tokens <= self.max_num_batched_tokens
+        ids = [s.request.request_id for s in out.scheduled]
+        assert len(ids) == len(set(ids)), f"scheduled twice in one step: {ids}"
+        for s in out.scheduled:
+            r = s.request
+            assert r.status == RequestStatus.RUNNING and r in self.sched.running
+            assert s.num_new_tokens >= 1
+            assert s.start == r.num_computed_tokens
+            assert s.start + s.num_new_tokens <= r.num_tokens
+            assert len(r.block_ids) * bm.block_size >= s.start + s.num_new_tokens
+            assert len(r.block_ids) == bm.blocks_needed(s.start + s.num_new_tokens), r
+        for r in out.preempted:
+            assert r.status == RequestStatus.WAITING and r in self.sched.waiting
+            assert r.request_id not in ids
+        scheduled = {id(s.request) for s in out.scheduled}
+        for r in self.sched.running:
+            if id(r) not in scheduled:
+                assert len(r.block_ids) == bm.blocks_needed(r.num_computed_tokens), r
+        self.check(exact_blocks=False)
+
+    # --- the fake forward pass ---
+
+    def forward(self, out: SchedulerOutput) -> list[int | None]:
+        bs = self.block_size
+        sampled: list[int | None] = []
+        for s in out.scheduled:
+            r, table = s.request, s.request.block_ids
+            # Everything before `start` must already be in this request's blocks.
+            for p in range(s.start):
+                slot = (table[p // bs], p % bs)
+                assert self.shadow.get(slot) == r.all_token_ids[p], (
+                    f"{r.request_id}: position {p} claimed computed but slot {slot} holds "
+                    f"{self.shadow.get(slot)}, want {r.all_token_ids[p]}"
+                )
+            for p in range(s.start, s.start + s.num_new_tokens):
+                block = self.bm.blocks[table[p // bs]]
+                assert block.ref_count == 1, f"{r.request_id} writes into shared {block}"
+                assert block.block_hash is None, f"{r.request_id} overwrites cached {block}"
+                self.shadow[(block.block_id, p % bs)] = r.all_token_ids[p]
+            if s.samples:
+                context = [self.shadow[(table[p // bs], p % bs)] for p in range(r.num_tokens)]
+                sampled.append(next_token(context, self.vocab))
+            else:
+                sampled.append(None)
+        return sampled
+
+    # --- driving ---
+
+    def add(self, request: Request) -> None:
+        self.sched.add_request(request)
+        self.check()
+
+    def abort(self, request_id: str) -> None:
+        request = self.sched.abort(request_id)
+        if request is not None:
+            assert request.status == RequestStatus.FINISHED_ABORTED
+            assert request.block_ids == []
+            self.finished[request_id] = request
+        self.check()
+
+    def step(self, abort_mid_step: str | None = None) -> SchedulerOutput:
+        out = self.sched.schedule()
+        self.history.append(out)
+        self.check_plan(out)
+        if out.is_empty:
+            assert not self.sched.has_unfinished_requests(), "stalled with work left"
+            self.sampled_history.append([])
+            return out
+        sampled = self.forward(out)
+        self.sampled_history.append(sampled)
+        if abort_mid_step is not None:
+            # The async engine may abort while a step runs.
+            request = self.sched.abort(abort_mid_step)
+            if request is not None:
+                self.finished[abort_mid_step] = request
+                assert request.block_ids == []
+                self.check(exact_blocks=False)
+        advanced = self.sched.update_from_output(out, sampled)
+        expect = [
+            s.request
+            for s, t in zip(out.scheduled, sampled, strict=True)
+            if t is not None and not s.request.is_finished
+        ]
+        assert advanced == expect
+        for request in advanced:
+            status = request.check_token_stop()
+            if status is not None:
+                self.sched.finish(request, status)
+                self.finished[request.request_id] = request
+        self.check()
+        return out
+
+    def last_samples(self) -> list[bool]:
+        return [t is not None for t in self.sampled_history[-1]]
+
+    def ever_chunked(self) -> bool:
+        return any(t is None for step in self.sampled_history for t in step)
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps: {self.live()}")
