@@ -125,7 +125,11 @@ class Workspace:
         self.stats.growths.append(Growth(self.stage, self.size, new_size, caller))
         # The old buffer is dropped here: any raw pointer into it (a captured
         # graph) is now dangling. That is exactly what the lock prevents.
-        self.buffer = torch.empty(new_size, dtype=torch.uint8, device=self.device)
+        raw = torch.empty(new_size + ALIGNMENT, dtype=torch.uint8, device=self.device)
+        # The allocation may not start on a 256-byte boundary (CPU allocators
+        # align less than CUDA's); the arena starts at the first one inside it.
+        base = -raw.data_ptr() % ALIGNMENT
+        self.buffer = raw[base : base + new_size]
         self.stats.size_bytes = new_size
 
 

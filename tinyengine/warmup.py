@@ -27,22 +27,30 @@ def run_warmup(engine: LLMEngine, graph_sizes: list[int]) -> None:
     cfg, runner = engine.config, engine.runner
     block_manager = engine.scheduler.block_manager
     # As many sequences as a step allows, each with an equal share of the
-    # token budget, then a few decode steps with all of them running.
-    prompt_len = max(1, min(cfg.max_num_batched_tokens // cfg.max_num_seqs,
-                            runner.max_model_len - DECODE_STEPS - 1))  # fmt: skip
-    per_seq_blocks = block_manager.blocks_needed(prompt_len + DECODE_STEPS)
-    num_seqs = max(1, min(cfg.max_num_seqs, block_manager.num_blocks // per_seq_blocks))
+    # token budget, then a few decode steps with all of them running — all
+    # fitted to the KV cache we were given (num_kv_blocks may be tiny).
+    capacity = block_manager.num_blocks * block_manager.block_size
+    decode_steps = max(0, min(DECODE_STEPS, capacity - 2))
+    prompt_len = min(
+        cfg.max_num_batched_tokens // cfg.max_num_seqs,
+        runner.max_model_len - decode_steps - 1,
+        capacity - decode_steps - 1,
+    )
+    prompt_len = max(prompt_len, 1)
+    per_seq_blocks = block_manager.blocks_needed(prompt_len + decode_steps + 1)
+    num_seqs = min(cfg.max_num_seqs, block_manager.num_blocks // per_seq_blocks)
     gen = torch.Generator().manual_seed(1234)
+    max_tokens = decode_steps + 1  # the first token comes with the prefill
     kinds = [
-        SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True),
-        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=DECODE_STEPS,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=max_tokens,
                        ignore_eos=True, seed=1, logprobs=2),  # fmt: skip
     ]
     ids = []
     for i in range(num_seqs):
         prompt = torch.randint(0, runner.vocab_size, (prompt_len,), generator=gen).tolist()
         ids.append(engine.add_request({"prompt_token_ids": prompt}, kinds[i % 2], f"warmup-{i}"))
-    for _ in range(10 * (num_seqs * prompt_len // cfg.max_num_batched_tokens + DECODE_STEPS + 2)):
+    for _ in range(10 * (num_seqs * prompt_len // cfg.max_num_batched_tokens + max_tokens + 2)):
         if not engine.has_unfinished_requests():
             break
         engine.step()

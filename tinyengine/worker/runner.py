@@ -240,7 +240,8 @@ class ModelRunner:
         if size is not None:
             self.write_decode_inputs(size, self._rows(plan))
             hidden = self.graphs.replay(size, self.decode_step(size))
-            return hidden, list(range(num_seqs))
+            # A one-token chunk of a prompt is decode-shaped but does not sample.
+            return hidden, [i if s.samples else -1 for i, s in enumerate(plan.scheduled)]
         ctx = self.prepare_inputs(plan)
         b, n = self.buffers, ctx.attn.num_tokens
         hidden = self.model(b.input_ids[:n], b.positions[:n], ctx)
