@@ -34,8 +34,10 @@ def get_attention_ops(name: str) -> AttentionOps:
 
         return AttentionOps("torch", attention.write_kv_cache, attention.paged_attention)
     if name == "triton":
-        raise NotImplementedError(
-            "the Triton attention kernels arrive with issue 4; use attention_backend='torch'"
+        from kernels import triton_attention
+
+        return AttentionOps(
+            "triton", triton_attention.write_kv_cache, triton_attention.paged_attention
         )
     raise ValueError(
         f"unknown attention backend {name!r}; choose one of {list(ATTENTION_BACKENDS)}"

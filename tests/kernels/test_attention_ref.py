@@ -216,8 +216,11 @@ def test_write_kv_cache_skips_negative_slots() -> None:
 def test_get_attention_ops() -> None:
     ops = get_attention_ops("torch")
     assert ops.paged_attention is paged_attention and ops.write_kv_cache is write_kv_cache
-    with pytest.raises(NotImplementedError, match="attention_backend='torch'"):
-        get_attention_ops("triton")
+    from kernels import triton_attention
+
+    triton_ops = get_attention_ops("triton")
+    assert triton_ops.paged_attention is triton_attention.paged_attention
+    assert triton_ops.write_kv_cache is triton_attention.write_kv_cache
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_ops("flash")
 

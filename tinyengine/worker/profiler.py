@@ -99,9 +99,14 @@ def profile_run(runner, graph_sizes: list[int]) -> ProfileResult:
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logprobs=5)] * rows
     runner.sampler(logits, params, [None] * rows, [[] for _ in range(rows)])
     del hidden, logits
-    # 3. Every graph-shaped decode batch (their scratch need not be monotonic
-    #    in the batch size: a small batch may split the context more ways).
-    for size in graph_sizes:
+    # 3. Graph-shaped decode batches. Split-KV scratch is not monotonic in the
+    #    batch size (a small batch splits the context more ways), so with the
+    #    Triton kernels every size an eager decode step may have is run, not
+    #    only the captured ones; max_model_len context is the worst for each.
+    sizes = set(graph_sizes)
+    if runner.attention_ops.name == "triton":
+        sizes.update(range(1, cfg.max_num_seqs + 1))
+    for size in sorted(sizes):
         runner.write_decode_inputs(size, ([], [], [], [], []))
         runner.decode_step(size)()
     decode_peak = _peak_since(device, mark)

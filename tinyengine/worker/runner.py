@@ -255,7 +255,9 @@ class ModelRunner:
         """None (with capture_skip_reason set) when this run does not capture."""
         choice = self.config.graph_backend
         if self.config.enforce_eager or choice == "none":
-            self.capture_skip_reason = "enforce_eager" if self.config.enforce_eager else "none"
+            self.capture_skip_reason = (
+                "enforce_eager" if self.config.enforce_eager else "graph_backend='none'"
+            )
             return None
         if choice == "recording":
             return RecordingGraphBackend(self.workspace)

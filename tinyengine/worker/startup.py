@@ -40,10 +40,6 @@ class StartupOrderError(RuntimeError):
     """A startup transition was called out of order."""
 
 
-class StartupFailedError(RuntimeError):
-    """A startup stage raised; the machine is FAILED and holds the cause."""
-
-
 # transition name -> (state it needs, state it reaches)
 TRANSITIONS: dict[str, tuple[Stage, Stage]] = {
     "load": (Stage.CREATED, Stage.LOADED),
@@ -189,9 +185,9 @@ class StartupMachine:
                 f"startup failed earlier ({self.error!r}); {name}() cannot run on a FAILED machine"
             )
         if self.state != needed:
-            first = _NEEDS.get(needed, "nothing")
+            how = f"reached by {_NEEDS[needed]}()" if needed in _NEEDS else "a fresh machine"
             raise StartupOrderError(
-                f"{name}() needs stage {needed.name} (reached by {first}()), but the machine is "
+                f"{name}() needs stage {needed.name} ({how}), but the machine is "
                 f"at {self.state.name}"
             )
         target = self.target
