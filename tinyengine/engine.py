@@ -72,7 +72,8 @@ class LLMEngine:
         self.states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self._jit_compiles_at_ready = 0
-        jit_monitor.install()
+        if device == "cuda" or self.runner.attention_ops.name == "triton":
+            jit_monitor.install()  # imports triton: only where Triton kernels can run
         self.startup = StartupMachine(self)
         self.startup.run_all()  # raises (machine FAILED, error kept) if a stage fails
         if config.print_startup_report:

@@ -14,6 +14,8 @@ does the startup stages' GPU work only when the startup machine calls it.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -53,9 +55,10 @@ class ModelRunner:
 
         self.model: torch.nn.Module | None = None
         self.workspace = Workspace(self.device)
-        self.attention_ops = kernels.get_attention_ops(
-            config.resolved_attention_backend(self.device.type)
-        )
+        backend = config.resolved_attention_backend(self.device.type)
+        if backend == "triton" and self.device.type == "cpu":
+            _enable_triton_interpreter()
+        self.attention_ops = kernels.get_attention_ops(backend)
         self.sampler = Sampler(self.device, seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.buffers = InputBuffers.allocate(
@@ -290,6 +293,19 @@ class ModelRunner:
 
     def free_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+
+
+def _enable_triton_interpreter() -> None:
+    """Triton kernels run on CPU only under its interpreter, which must be
+    switched on before triton is first imported."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:
+        raise ValueError(
+            "attention_backend='triton' on CPU needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before anything imports triton (or use attention_backend='torch')"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _banned_tokens(request) -> list[int]:
