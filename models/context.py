@@ -44,11 +44,35 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What a model stores per token in its paged cache, per attention layer.
+
+    Standard attention keeps K [num_kv_heads, head_dim_k] and V [num_kv_heads,
+    head_dim_v]. A latent cache (DeepSeek MLA) keeps one vector per token:
+    num_kv_heads=1, head_dim_k = latent width, head_dim_v = 0 — then the
+    layer's v_cache is the same tensor as its k_cache.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+
+    @property
+    def is_latent(self) -> bool:
+        return self.head_dim_v == 0
+
+    def elements_per_token(self) -> int:
+        return self.num_layers * self.num_kv_heads * (self.head_dim_k + self.head_dim_v)
+
+
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
     # One entry per attention layer: (k_cache, v_cache), each
-    # [num_blocks, block_size, num_kv_heads, head_dim].
+    # [num_blocks, block_size, num_kv_heads, head_dim] (see KVCacheSpec; a
+    # latent cache passes the same tensor twice).
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     # The attention op set, chosen by the engine ("torch" or "triton"):
     # kernels.get_attention_ops(name).

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.context import ForwardContext
+from models.context import ForwardContext, KVCacheSpec
 from models.layers import (
     MergedColumnParallelLinear,
     PagedAttention,
@@ -265,6 +265,10 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_shape_per_layer(self) -> tuple[int, int]:
         """(num_kv_heads, head_dim) of each layer's k_cache / v_cache block rows."""
         return self.args.num_kv_heads, self.args.head_dim
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        a = self.args
+        return KVCacheSpec(self.num_attention_layers, a.num_kv_heads, a.head_dim, a.head_dim)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

@@ -10,28 +10,32 @@ from __future__ import annotations
 
 import torch
 
+from models.context import KVCacheSpec
 
-def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """K and V, every layer, one block."""
+
+def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Everything one block holds, every layer."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+    return block_size * spec.elements_per_token() * itemsize
 
 
 def allocate_kv_cache(
-    num_layers: int,
+    spec: KVCacheSpec,
     num_blocks: int,
     block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed caches, per layer (k_cache, v_cache) each
-    [num_blocks, block_size, num_kv_heads, head_dim]. Zeroed because a padded or
-    masked-out read of a never-written slot must still be a finite number."""
-    storage = torch.zeros(
-        num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-    )
-    return [(storage[i, 0], storage[i, 1]) for i in range(num_layers)]
+    """Zeroed caches, per layer (k_cache, v_cache) of shapes
+    [num_blocks, block_size, num_kv_heads, head_dim_k | head_dim_v], carved from
+    one allocation; a latent cache gives the same tensor twice. Zeroed because
+    a masked-out read of a never-written slot must still be a finite number."""
+    layer_shape = (num_blocks, block_size, spec.num_kv_heads)
+    width = spec.head_dim_k + spec.head_dim_v
+    storage = torch.zeros(spec.num_layers, *layer_shape, width, dtype=dtype, device=device)
+    caches = []
+    for i in range(spec.num_layers):
+        k_cache = storage[i, ..., : spec.head_dim_k]
+        v_cache = k_cache if spec.is_latent else storage[i, ..., spec.head_dim_k :]
+        caches.append((k_cache, v_cache))
+    return caches

@@ -80,25 +80,15 @@ class ModelRunner:
         self.model = load_model(self.config.model, self.hf_config, self.dtype, self.device)
 
     def kv_bytes_per_block(self) -> int:
-        num_kv_heads, head_dim = self.model.kv_cache_shape_per_layer()
-        return bytes_per_block(
-            self.model.num_attention_layers, self.block_size, num_kv_heads, head_dim, self.dtype
-        )
+        return bytes_per_block(self.model.kv_cache_spec(), self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` usable blocks plus one reserved dummy block (the last)
         that padding rows and profile batches write into."""
         self.kv_caches = []  # release the old cache before allocating the new one
         self._decode_ctxs.clear()
-        num_kv_heads, head_dim = self.model.kv_cache_shape_per_layer()
         self.kv_caches = allocate_kv_cache(
-            self.model.num_attention_layers,
-            num_blocks + 1,
-            self.block_size,
-            num_kv_heads,
-            head_dim,
-            self.dtype,
-            self.device,
+            self.model.kv_cache_spec(), num_blocks + 1, self.block_size, self.dtype, self.device
         )
         self.num_kv_blocks = num_blocks
         self.dummy_block = num_blocks

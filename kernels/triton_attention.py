@@ -1,0 +1,542 @@
+"""Triton paged attention: one kernel for prefill/mixed batches, a split-KV
+("flash-decoding") kernel plus its reduce for decode-only batches, and the op
+set that dispatches between them (`TritonAttentionOps`).
+
+Owns the GPU implementation of the two attention ops whose numerical definition
+lives in kernels/attention.py (the torch reference); the signatures are the
+same, so a model never knows which backend runs. Layout and indexing are
+written out in docs/kernels.md.
+
+Must never (each one breaks CUDA-graph capture or replay):
+  - read a device tensor on the host (.item(), .tolist(), boolean indexing);
+  - size a grid or pick a kernel from tensor *contents* -- only from host ints
+    (shapes, max_query_len, max_seq_len) that the caller passes;
+  - allocate scratch outside the workspace arena when one is given (outputs
+    are allocated with torch.empty; that is the caller's tensor, not scratch).
+
+Numerics: every tile is upcast to fp32 for softmax bookkeeping; scores live in
+the log2 domain (scale * log2(e) folded into one multiplier, so exp2 replaces
+exp). On the GPU the two matmuls take the storage dtype (bf16/fp16 tensor
+cores) and accumulate in fp32. Under TRITON_INTERPRET=1 the tiles are upcast to
+fp32 right after tl.load because the interpreter computes bf16 math wrongly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.cache_write import write_kv_cache_triton
+
+LOG2E = 1.4426950408889634
+# Decode split heuristic, measured on an H200 (bench_kernels.py --sweep): a
+# batch giving >= 2 (seq, kv_head) programs per SM streams K/V at ~4.1-4.3 TB/s
+# unsplit; below that, splitting up to ~4 programs per SM wins (batch 8 x 32k:
+# 1.1 TB/s unsplit, 3.7 with 4 splits, 4.25 with 8).
+_DECODE_NO_SPLIT_PROGRAMS_PER_SM = 2
+_DECODE_TARGET_PROGRAMS_PER_SM = 4
+_DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in reduce than it saves
+_DECODE_MAX_SPLITS = 64
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the H200's count; only shapes the CPU/interpreter grid heuristics
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q,
+    n_start, q_pos, seq_len,
+    bt_row, k_base, v_base,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys [n_start, n_start + BLOCK_N).
+
+    Paged load: key position p lives in physical block bt_row[p // BLOCK_SIZE]
+    at offset p % BLOCK_SIZE. MASKED=False is the fast path for tiles every row
+    may fully see (no causal mask, all positions < seq_len); MASKED=True masks
+    positions past seq_len (their block-table entries may be garbage) and
+    applies the causal mask `key_pos <= q_pos` per row.
+    """
+    pos = n_start + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    in_seq = pos < seq_len
+    if MASKED:
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+    off = pos % BLOCK_SIZE
+    # K^T tile [BLOCK_DK, BLOCK_N]: column j is key pos[j], rows are head dims.
+    k_ptrs = k_base + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_dk[:, None]
+    v_ptrs = v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_dv[None, :]
+    if MASKED or HEAD_DIM_K != BLOCK_DK:
+        k = tl.load(k_ptrs, mask=in_seq[None, :] & (offs_dk[:, None] < HEAD_DIM_K), other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if UPCAST:
+        k = k.to(tl.float32)
+
+    s = tl.dot(q, k) * qk_scale  # [M, BLOCK_N] scores in log2 units
+    if MASKED:
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    # Every row has already seen key 0 (or sees it in this tile), so m_new is
+    # finite and no row computes exp2(-inf - -inf).
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    if MASKED or HEAD_DIM_V != BLOCK_DV:
+        # Masked V rows matter: 0 * NaN from an uninitialized slot is NaN.
+        v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    if UPCAST:
+        v = v.to(tl.float32)
+    # Rescale first, then let the MMA accumulate into acc in place.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _find_seq(tile_id, query_start_loc, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning q-tile `tile_id`: the largest i with
+    query_start_loc[i] // BLOCK_Q + i <= tile_id (binary search, device-side)."""
+    lo = tile_id * 0
+    hi = lo + num_seqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        go_right = first_tile <= tile_id
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Grid (num_tiles * num_kv_heads,). A program owns BLOCK_Q query tokens of
+    one sequence times the GROUP query heads sharing one KV head: tile row r is
+    token r // GROUP, head kv_head * GROUP + r % GROUP (GQA packed into M)."""
+    # KV head varies fastest and tile ids run backwards: the GPU starts programs
+    # in id order, so the heaviest tiles (a prompt's last, which see the most
+    # keys) of every head start first and the light ones fill the tail.
+    kv_head = tl.program_id(0) % NUM_KV_HEADS
+    tile_id = tl.num_programs(0) // NUM_KV_HEADS - 1 - tl.program_id(0) // NUM_KV_HEADS
+    seq = _find_seq(tile_id, query_start_loc_ptr, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile_id - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return  # spare program: the grid is an upper bound on the tile count
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # tokens already cached before this step's rows
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // GROUP  # token index within this sequence's q rows
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows // GROUP < BLOCK_Q) & (tok < q_len)
+    # Absolute position of each row; dead rows borrow the last live one so
+    # they see >= 1 key and stay NaN-free (they are never stored).
+    q_pos = ctx_len + tl.minimum(tok, q_len - 1)
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = (q_start + tok).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dk[None, :] < HEAD_DIM_K), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+
+    # Keys [0, n_full) are visible to every row of the tile (the earliest row
+    # sits at ctx_len + q_tile * BLOCK_Q): no mask in that loop.
+    first_pos = ctx_len + q_tile * BLOCK_Q
+    n_full = (first_pos + 1) // BLOCK_N * BLOCK_N
+    kv_end = ctx_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)  # last row's pos + 1
+    for n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST,
+        )  # fmt: skip
+    for n in range(n_full, kv_end, BLOCK_N):  # the diagonal band: causal mask
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, True, UPCAST,
+        )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Grid (num_seqs, num_kv_heads, num_splits). One program: the GROUP query
+    heads of one KV head (rows of a [BLOCK_G, D] tile, so each K/V tile is
+    loaded once per group) over one contiguous chunk of the context.
+
+    DIRECT (num_splits == 1): write the normalized output straight to `out`.
+    Otherwise write the chunk's normalized partial output and its log2-sum-exp
+    to part_out[seq, head, split, :] / part_lse[seq, head, split]; the reduce
+    kernel combines them. A split past the sequence's end writes lse = -inf.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_row:
+        return  # q_len 0: this sequence has no row to write (the reduce skips it too)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Split boundaries come from the *device* seq_len, so one captured grid
+    # (sized from max_seq_len) spreads any actual length over all splits.
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + g
+    g_ok = g < GROUP
+    # part_* are contiguous [num_seqs, Hq, num_splits, (Dv)]; Hq = Hkv * GROUP.
+    part_idx = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split
+    if not DIRECT:
+        if start >= end:
+            tl.store(
+                part_lse_ptr + part_idx, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_ok
+            )
+            return
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & (offs_dk[None, :] < HEAD_DIM_K), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    # The causal mask `pos <= q_pos` with q_pos = end - 1 keeps the masked
+    # tail tile inside this split.
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (end - 1)
+    n_full = start + (end - start) // BLOCK_N * BLOCK_N
+    for n in range(start, n_full, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST,
+        )  # fmt: skip
+    for n in range(n_full, end, BLOCK_N):  # at most one partial tile
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, True, UPCAST,
+        )  # fmt: skip
+
+    # l_i == 0 only for an empty context (a padding sequence): output zeros.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V
+    if DIRECT:
+        o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh
+        tl.store(
+            o_ptrs + offs_dv[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok
+        )
+    else:
+        tl.store(part_lse_ptr + part_idx, m_i + tl.log2(l_i), mask=g_ok)
+        p_ptrs = part_out_ptr + (part_idx.to(tl.int64) * HEAD_DIM_V)[:, None] + offs_dv[None, :]
+        tl.store(p_ptrs, out, mask=g_ok[:, None] & dv_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
+    num_splits, stride_ot, stride_oh,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Grid (num_seqs, Hq): out = sum_s w_s * part_s / sum_s w_s with
+    w_s = 2^(lse_s - max lse). Splits with lse = -inf (past the sequence end)
+    get weight 0 and their (unwritten) partial is never loaded."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_row:
+        return
+    s = tl.arange(0, BLOCK_S)
+    base = (seq * tl.num_programs(1) + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
+    live = lse > float("-inf")
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    p_ptrs = part_out_ptr + (base + s).to(tl.int64)[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    part = tl.load(p_ptrs, mask=live[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(denom == 0.0, 1.0, denom)
+    o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_dv
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Validate shapes (host metadata only) and return the GQA group size."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(
+            "paged_attention: expected q [T, Hq, Dk] and caches [num_blocks, block_size, Hkv, D];"
+            f" got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)},"
+            f" v_cache {tuple(v_cache.shape)}"
+        )
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: the head dim of q and of the caches must be contiguous")
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"paged_attention: {num_q_heads} query heads is not a multiple of "
+            f"{num_kv_heads} KV heads (GQA needs Hq % Hkv == 0)"
+        )
+    return num_q_heads // num_kv_heads
+
+
+def _common_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> tuple[int, ...]:  # fmt: skip
+    return (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+    )  # fmt: skip
+
+
+def prefill_config(head_dim_k: int, max_query_len: int, group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill/mixed kernel.
+
+    Measured on an H200 (benchmarks/bench_kernels.py --sweep, 8k causal, d128):
+    256 rows x 64 keys with 8 warps (two warpgroups of 128 rows each, whose
+    softmax and MMAs interleave) beat 128-row tiles by ~10%. BLOCK_M shrinks
+    with max_query_len * group so mostly-decode mixed batches don't pay for
+    256-row tiles; 256-wide heads (Dk 192 padded) get small tiles to fit.
+    """
+    rows = max(16, min(256, triton.next_power_of_2(max_query_len * group)))
+    rows = max(rows, triton.next_power_of_2(group))  # a tile holds >= 1 token's heads
+    if triton.next_power_of_2(head_dim_k) > 128:
+        return min(rows, 64), 32, 4, 2
+    if rows >= 256:
+        return rows, 64, 8, 3
+    return rows, 64, 4, 3
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, *, max_query_len: int, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+) -> None:  # fmt: skip
+    """Causal paged attention for any varlen batch (decode rows, chunks after a
+    cached prefix, whole prompts), written into `out` [T, Hq, Dv]."""
+    group = _check_layout(q, k_cache, v_cache)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs == 0 or max_query_len == 0:
+        return
+    head_dim_k, head_dim_v = q.shape[2], v_cache.shape[3]
+    cfg_m, cfg_n, cfg_warps, cfg_stages = prefill_config(head_dim_k, max_query_len, group)
+    block_m, block_n = block_m or cfg_m, block_n or cfg_n  # overrides: tests and tuning only
+    num_warps, num_stages = num_warps or cfg_warps, num_stages or cfg_stages
+    if block_m < group:
+        raise ValueError(f"prefill_attention: block_m={block_m} < GQA group {group}")
+    block_q = block_m // group  # query tokens per tile
+    # Sum over sequences of cdiv(q_len_i, block_q) <= T // block_q + num_seqs.
+    num_tiles = q.shape[0] // block_q + num_seqs
+    grid = (num_tiles * k_cache.shape[2],)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        scale * LOG2E, num_seqs, *_common_args(q, k_cache, v_cache, out, block_tables),
+        NUM_KV_HEADS=k_cache.shape[2], GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
+        BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
+        UPCAST=_interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def decode_block_n(head_dim_k: int) -> int:
+    return 32 if triton.next_power_of_2(head_dim_k) > 128 else 64
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split count S for a decode batch: enough (seq, kv_head, split) programs
+    to fill the GPU when the batch alone does not, never splits shorter than
+    _DECODE_MIN_SPLIT_TOKENS of max_seq_len. Depends only on host ints, so a
+    CUDA graph captured for a batch size stays valid for any seq_lens."""
+    programs = num_seqs * num_kv_heads
+    if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
+        return 1
+    target = _DECODE_TARGET_PROGRAMS_PER_SM * num_sms
+    most = max(1, max_seq_len // _DECODE_MIN_SPLIT_TOKENS)
+    return max(1, min(triton.cdiv(target, programs), most, _DECODE_MAX_SPLITS))
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, *, max_seq_len: int, workspace: Any = None,
+    num_splits: int | None = None, block_n: int | None = None,
+    num_warps: int = 4, num_stages: int = 3,
+) -> None:  # fmt: skip
+    """Split-KV decode (every q_len <= 1) into `out`; scratch from `workspace`."""
+    group = _check_layout(q, k_cache, v_cache)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs == 0:
+        return
+    num_q_heads, head_dim_k = q.shape[1], q.shape[2]
+    num_kv_heads, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
+    block_n = block_n or decode_block_n(head_dim_k)
+    direct = num_splits == 1
+    if direct:  # no partials: the split kernel writes `out` itself
+        part_out = part_lse = out
+    elif workspace is not None:
+        part_out, part_lse = workspace.get(
+            ((num_seqs, num_q_heads, num_splits, head_dim_v), torch.float32),
+            ((num_seqs, num_q_heads, num_splits), torch.float32),
+        )
+    else:
+        part_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim_v, device=q.device)
+        part_lse = torch.empty(num_seqs, num_q_heads, num_splits, device=q.device)
+    common = _common_args(q, k_cache, v_cache, out, block_tables)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, query_start_loc, seq_lens,
+        scale * LOG2E, num_splits, *common,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
+        BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
+        DIRECT=direct, UPCAST=_interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if not direct:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            out, part_out, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM_V=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v),
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the op set
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    query_start_loc_cpu: list[int] | None = None,
+    seq_lens_cpu: list[int] | None = None,
+    workspace: Any = None,
+) -> torch.Tensor:
+    """Same contract as kernels.attention.paged_attention; out [T, Hq, Dv].
+
+    Decode-only batches (max_query_len == 1) take the split-KV kernel, all
+    others the prefill/mixed kernel. Rows past query_start_loc[-1] are zeros:
+    with query_start_loc_cpu given only that tail is zeroed (before the
+    kernels run, so a stale host list can never erase a real row); without it
+    the whole output starts as zeros.
+    """
+    del seq_lens_cpu  # kernels read the device lengths; the host list is for the reference
+    shape = (q.shape[0], q.shape[1], v_cache.shape[3])
+    if query_start_loc_cpu:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        if query_start_loc_cpu[-1] < q.shape[0]:
+            out[query_start_loc_cpu[-1] :].zero_()
+    else:
+        out = torch.zeros(shape, dtype=q.dtype, device=q.device)
+    if max_query_len == 1:
+        decode_attention(
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
+            max_seq_len=max_seq_len, workspace=workspace,
+        )  # fmt: skip
+    else:
+        prefill_attention(
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
+            max_query_len=max_query_len,
+        )  # fmt: skip
+    return out
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same contract as kernels.attention.write_kv_cache (Triton scatter)."""
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+
+
+class TritonAttentionOps:
+    """The Triton attention op set, shaped like kernels.AttentionOps."""
+
+    name = "triton"
+    write_kv_cache = staticmethod(write_kv_cache)
+    paged_attention = staticmethod(paged_attention)
