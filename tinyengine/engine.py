@@ -49,7 +49,7 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, start: bool = True) -> None:
         self.config = config
         hf_config = load_hf_config(config.model, config.hf_overrides)
         self.hf_config = hf_config
@@ -75,9 +75,18 @@ class LLMEngine:
         if device == "cuda" or self.runner.attention_ops.name == "triton":
             jit_monitor.install()  # imports triton: only where Triton kernels can run
         self.startup = StartupMachine(self)
-        self.startup.run_all()  # raises (machine FAILED, error kept) if a stage fails
-        if config.print_startup_report:
-            print(self.startup.report.table(), file=sys.stderr)
+        if start:
+            self.start()
+
+    def start(self) -> StartupReport:
+        """Run the startup state machine to READY; raises (and the machine holds
+        FAILED with the error) if a stage fails. A server builds the engine
+        with start=False and calls this in the background, so /health can
+        report the stage while it runs."""
+        report = self.startup.run_all()
+        if self.config.print_startup_report:
+            print(report.table(), file=sys.stderr)
+        return report
 
     # --- startup stages (the StartupMachine calls these, in its order) ---
 
