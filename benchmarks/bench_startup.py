@@ -12,11 +12,15 @@ Builds a small dense Llama-shaped checkpoint with random weights (bf16), then:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 
 def make_checkpoint(path: str, layers: int, hidden: int, heads: int, kv_heads: int) -> str:

@@ -12,11 +12,13 @@ from typing import Any
 
 _count = 0
 _installed = False
+_names: list[str] = []  # what compiled, in order (Triton's repr: kernel and specialization)
 
 
 def _on_compile(*args: Any, **kwargs: Any) -> None:
     global _count
     _count += 1
+    _names.append(str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?")))
 
 
 def install() -> bool:
@@ -32,7 +34,7 @@ def install() -> bool:
     previous = knobs.runtime.jit_post_compile_hook
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        _on_compile()
+        _on_compile(*args, **kwargs)
         return previous(*args, **kwargs) if previous is not None else None
 
     knobs.runtime.jit_post_compile_hook = hook
@@ -42,3 +44,8 @@ def install() -> bool:
 
 def num_compiles() -> int:
     return _count
+
+
+def compiled_since(count: int) -> list[str]:
+    """The kernels compiled after the count was `count` (for error messages)."""
+    return _names[count:]

@@ -134,7 +134,7 @@ def _find_seq(tile_id, query_start_loc, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -210,7 +210,7 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compile for any split count
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -299,7 +299,7 @@ def _decode_split_kernel(
         tl.store(p_ptrs, out, mask=g_ok[:, None] & dv_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
     num_splits, stride_ot, stride_oh,
@@ -472,7 +472,9 @@ def decode_attention(
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM_V=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v),
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            # Fixed, not next_power_of_2(num_splits): the split count varies with the
+            # context length, and every distinct BLOCK_S would be a new compile.
+            BLOCK_S=triton.next_power_of_2(max(num_splits, _DECODE_MAX_SPLITS)), num_warps=4,
         )  # fmt: skip
 
 

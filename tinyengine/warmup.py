@@ -57,6 +57,16 @@ def run_warmup(engine: LLMEngine, graph_sizes: list[int]) -> None:
     for request_id in ids:  # anything unfinished (should be none) goes too
         engine.abort_request(request_id)
 
+    # Triton picks its prefill tile by the step's longest query, so one
+    # prefill per power-of-two query length compiles every tile class now
+    # rather than on some user's first request after startup.
+    if runner.attention_ops.name == "triton":
+        longest = min(cfg.max_num_batched_tokens, runner.max_model_len - 1)
+        q_len = 2
+        while q_len < 2 * longest:
+            runner.dummy_forward([min(q_len, longest)])
+            q_len *= 2
+
     # One eager run of every shape that will be captured, through the very
     # callable the graph will capture.
     with torch.inference_mode():

@@ -49,34 +49,16 @@ def profile_run(runner, graph_sizes: list[int]) -> ProfileResult:
     garbage, the memory and scratch demands are real)."""
     cfg, device = runner.config, runner.device
     runner.allocate_kv_cache(0)
-    max_len, vocab = runner.max_model_len, runner.vocab_size
-    gen = torch.Generator().manual_seed(0)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(0, vocab, (n,), generator=gen).tolist()
-
-    dummy_slot = runner.dummy_block * runner.block_size
+    max_len = runner.max_model_len
 
     # 1. The largest prefill step: max_num_batched_tokens tokens in sequences
     #    no longer than max_model_len (and no more than max_num_seqs of them).
     mark = _memory_mark(device)
     num_seqs = min(-(-cfg.max_num_batched_tokens // max_len), cfg.max_num_seqs)
     q_lens = _split(min(cfg.max_num_batched_tokens, num_seqs * max_len), num_seqs)
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
-    ctx = runner._write_eager(
-        tokens(starts[-1]),
-        [p for q in q_lens for p in range(q)],
-        [dummy_slot] * starts[-1],
-        starts,
-        q_lens,
-        [[] for _ in q_lens],
-    )
-    hidden = runner.model(
-        runner.buffers.input_ids[: starts[-1]], runner.buffers.positions[: starts[-1]], ctx
-    )
-    runner.model.compute_logits(hidden[torch.tensor(starts[1:], device=device) - 1])
+    hidden = runner.dummy_forward(q_lens)
+    ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
+    runner.model.compute_logits(hidden[ends])
     del hidden
     peak = _peak_since(device, mark)
 
@@ -85,16 +67,7 @@ def profile_run(runner, graph_sizes: list[int]) -> ProfileResult:
     #    longest context), then the sampler with every filter and logprobs.
     mark = _memory_mark(device)
     rows = cfg.max_num_seqs
-    seq_lens = [max_len] + [1] * (rows - 1)
-    ctx = runner._write_eager(
-        tokens(rows),
-        [s - 1 for s in seq_lens],
-        [dummy_slot] * rows,
-        list(range(rows + 1)),
-        seq_lens,
-        [[] for _ in range(rows)],
-    )
-    hidden = runner.model(runner.buffers.input_ids[:rows], runner.buffers.positions[:rows], ctx)
+    hidden = runner.dummy_forward([1] * rows, [max_len] + [1] * (rows - 1))
     logits = runner.model.compute_logits(hidden)
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logprobs=5)] * rows
     runner.sampler(logits, params, [None] * rows, [[] for _ in range(rows)])

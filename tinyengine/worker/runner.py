@@ -157,6 +157,26 @@ class ModelRunner:
     def _context(self, attn: AttentionMetadata) -> ForwardContext:
         return ForwardContext(attn, self.kv_caches, self.attention_ops, self.workspace)
 
+    @torch.inference_mode()
+    def dummy_forward(self, q_lens: list[int], seq_lens: list[int] | None = None) -> torch.Tensor:
+        """An eager forward over made-up tokens whose K/V all go to the reserved
+        dummy block (profile and warmup use it to reach chosen shapes). Sequence
+        i computes its last q_lens[i] positions of a seq_lens[i]-token context
+        (default: the whole context is new). Returns the hidden states."""
+        seq_lens = seq_lens or q_lens
+        starts = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
+        num_tokens = starts[-1]
+        ctx = self._write_eager(
+            [(7919 * t + 13) % self.vocab_size for t in range(num_tokens)],
+            [s - q + j for q, s in zip(q_lens, seq_lens, strict=True) for j in range(q)],
+            [self.dummy_block * self.block_size] * num_tokens,
+            starts,
+            seq_lens,
+            [[] for _ in q_lens],
+        )
+        b = self.buffers
+        return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
+
     def decode_context(self, size: int) -> ForwardContext:
         """The fixed context of a graph-shaped decode batch of `size` rows: it
         reads only device buffers (no host lengths) and sizes kernels for

@@ -1,0 +1,129 @@
+"""The FastAPI application: wiring, auth, errors, and the small endpoints.
+
+Owns `create_app(settings)`: the AsyncLLMEngine's lifetime (started when the
+server starts, so /health answers at once while the model loads), the API-key
+check, the OpenAI-style error bodies for every failure (including FastAPI's
+and Starlette's own 404/405), and GET /health, /v1/models and /metrics. The
+generation endpoints live in generate.py.
+
+Must never: call LLMEngine directly (only through AsyncLLMEngine), or let an
+error escape as an HTML or `{"detail": ...}` body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tinyengine.api.generate import router as generate_router
+from tinyengine.api.settings import ServerSettings
+from tinyengine.async_engine import AsyncLLMEngine
+from tinyengine.openai_protocol import APIError
+
+logger = logging.getLogger("tinyengine.server")
+
+
+def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -> FastAPI:
+    """The server for `settings`. Pass `engine` to serve a prebuilt (not yet
+    started) AsyncLLMEngine, e.g. in tests."""
+    engine = engine or AsyncLLMEngine(settings.model, settings.engine_kwargs)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="tinyengine", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        h = engine.health()
+        return JSONResponse(h.as_dict(), status_code=200 if h.ready else 503)
+
+    protected = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @protected.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tinyengine",
+            "root": settings.model,
+            "max_model_len": engine.engine.max_model_len if engine.ready else None,
+        }
+        return {"object": "list", "data": [card]}
+
+    @protected.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        h = engine.health()
+        text = engine.metrics.render(engine.stats(), h.stage_seconds, h.ready, settings.model_name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    app.include_router(protected)
+    app.include_router(generate_router, dependencies=[Depends(require_api_key)])
+    return app
+
+
+async def require_api_key(request: Request) -> None:
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # compare_digest: the time taken must not tell how much of a guess was right.
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        token.strip().encode(), key.encode()
+    ):
+        raise APIError(
+            401,
+            "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+            "authentication_error",
+            code="invalid_api_key",
+        )
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    if exc.status < 500:
+        request.app.state.engine.metrics.count_request("rejected")
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    err = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    error = APIError(400, f"{'.'.join(loc)}: {err.get('msg', 'invalid request')}", param=loc[0]
+                     if loc else None)  # fmt: skip
+    return JSONResponse(error.body(), status_code=400)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                     "internal_server_error")  # fmt: skip
+    return JSONResponse(error.body(), status_code=500)

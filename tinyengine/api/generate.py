@@ -1,0 +1,253 @@
+"""POST /v1/completions and /v1/chat/completions.
+
+Owns one HTTP request's path: read the body (with the size limit), validate
+it, turn it into engine prompts and SamplingParams, submit it to the async
+engine, then either gather the final outputs into one response or stream
+deltas as server-sent events. While it waits, it watches the connection: a
+client that goes away has its request aborted, which frees its KV blocks.
+
+Streaming never sends text that a later token could turn into a stop string
+(the engine cuts stop strings out of the final text; we hold back, per
+`stop_string_holdback`, whatever could still become one).
+
+Must never: call the LLMEngine itself, or leave a request in the engine once
+its response is over, however it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tinyengine.api import responses as R
+from tinyengine.async_engine import (
+    AsyncLLMEngine,
+    EngineNotReadyError,
+    RequestAbortedError,
+    RequestFailedError,
+    RequestRejectedError,
+    RequestStream,
+)
+from tinyengine.detokenizer import stop_string_holdback
+from tinyengine.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_request,
+)
+from tinyengine.outputs import RequestOutput
+from tinyengine.sampling_params import SamplingParams
+
+router = APIRouter()
+
+
+@dataclass
+class _Job:
+    """What the response builders need to know about one HTTP request."""
+
+    request_id: str
+    model: str
+    chat: bool
+    params: SamplingParams
+    num_logprobs: int | None  # None: no logprobs asked for
+    include_usage: bool
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(request: Request) -> JSONResponse | StreamingResponse:
+    engine = _ready_engine(request)
+    req = parse_request(await _read_body(request), CompletionRequest)
+    model = _check_model(request, req.model)
+    params = req.sampling_params()
+    job = _Job(R.new_id("cmpl"), model, False, params, req.logprobs, req.include_usage_in_stream)
+    return await _generate(request, engine, req.prompts(), job, bool(req.stream))
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(request: Request) -> JSONResponse | StreamingResponse:
+    engine = _ready_engine(request)
+    req = parse_request(await _read_body(request), ChatCompletionRequest)
+    model = _check_model(request, req.model)
+    params = req.sampling_params()
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer, so chat is unavailable; use "
+                          "/v1/completions with token ids", "messages")  # fmt: skip
+    messages = req.template_messages()
+    try:
+        # Off the event loop: a long conversation takes a while to render and encode.
+        token_ids = await asyncio.to_thread(
+            tokenizer.apply_chat_template,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=True,
+            **(req.chat_template_kwargs or {}),
+        )
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e), "messages") from e
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    job = _Job(R.new_id("chatcmpl"), model, True, params, num_logprobs, req.include_usage_in_stream)
+    prompts: list[str | dict[str, Any]] = [{"prompt_token_ids": token_ids}]
+    return await _generate(request, engine, prompts, job, bool(req.stream))
+
+
+# --- request checks ---
+
+
+def _ready_engine(request: Request) -> AsyncLLMEngine:
+    engine: AsyncLLMEngine = request.app.state.engine
+    if not engine.ready:
+        raise APIError(503, engine._not_ready_message(), "service_unavailable")
+    return engine
+
+
+def _check_model(request: Request, model: str | None) -> str:
+    served = request.app.state.settings.model_name
+    if model is not None and model != served:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
+                       "invalid_request_error", "model", "model_not_found")  # fmt: skip
+    return served
+
+
+async def _read_body(request: Request) -> bytes:
+    limit: int = request.app.state.settings.max_request_bytes
+    too_large = APIError(413, f"the request body is larger than {limit} bytes (the server's "
+                         "TINYENGINE_MAX_REQUEST_BYTES)", "invalid_request_error")  # fmt: skip
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    async for part in request.stream():  # counts chunked bodies, which have no length
+        body += part
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+# --- running it ---
+
+
+async def _generate(
+    request: Request,
+    engine: AsyncLLMEngine,
+    prompts: list[str | dict[str, Any]],
+    job: _Job,
+    stream: bool,
+) -> JSONResponse | StreamingResponse:
+    try:
+        rs = engine.submit(prompts, job.params, job.request_id)
+    except EngineNotReadyError as e:
+        raise APIError(503, str(e), "service_unavailable") from e
+    watcher = asyncio.create_task(_abort_on_disconnect(request, rs))
+    try:
+        await rs.accepted()
+    except RequestRejectedError as e:
+        watcher.cancel()
+        raise bad_request(str(e)) from e
+    except RequestAbortedError:
+        return _client_gone()
+    except BaseException:
+        watcher.cancel()
+        rs.abort()
+        raise
+    if stream:
+        return StreamingResponse(
+            _stream(rs, watcher, job, len(prompts)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    try:
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in rs.outputs():
+            if output.finished:
+                finals[index] = output
+    except RequestFailedError as e:
+        raise APIError(500, str(e), "internal_server_error") from e
+    finally:
+        watcher.cancel()
+        rs.abort()  # a no-op when everything finished
+    if len(finals) < len(prompts):  # aborted
+        return _client_gone()
+    ordered = [finals[i] for i in range(len(prompts))]
+    build = R.chat_response if job.chat else R.completion_response
+    return JSONResponse(build(job.request_id, job.model, ordered, job.num_logprobs))
+
+
+def _client_gone() -> JSONResponse:
+    # 499 (nginx's "client closed request"): nobody reads it, but logs show why.
+    return JSONResponse(APIError(499, "client closed the request").body(), status_code=499)
+
+
+async def _abort_on_disconnect(request: Request, rs: RequestStream) -> None:
+    """Abort the request as soon as the client disconnects. The body is read by
+    now, so the next ASGI message can only be the disconnect (uvicorn also
+    sends one once the response is complete; by then the stream is done and
+    abort() does nothing)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            rs.abort()
+            return
+
+
+async def _stream(
+    rs: RequestStream, watcher: asyncio.Task[None], job: _Job, num_prompts: int
+) -> AsyncIterator[str]:
+    created = R.now()
+    chat = job.chat
+    params = job.params
+    # With include_stop_str_in_output the stop string is part of the answer and
+    # nothing needs holding back.
+    stops = [] if params.include_stop_str_in_output else list(params.stop or [])
+    sent_chars = [0] * num_prompts
+    sent_tokens = [0] * num_prompts
+    finals: dict[int, RequestOutput] = {}
+
+    def emit(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        return R.sse(R.chunk(job.request_id, job.model, created, chat, choices, usage))
+
+    try:
+        if chat:  # OpenAI opens each choice with the assistant role
+            yield emit([R.chunk_choice(True, i, "", role="assistant") for i in range(num_prompts)])
+        async for index, output in rs.outputs():
+            c = output.outputs[0]
+            text = c.text
+            end = len(text) if c.finished else len(text) - stop_string_holdback(text, stops)
+            delta = text[sent_chars[index] : end] if end > sent_chars[index] else ""
+            logprobs = None
+            if job.num_logprobs is not None and c.logprobs is not None:
+                new_ids = c.token_ids[sent_tokens[index] :]
+                new_entries = c.logprobs[sent_tokens[index] :]
+                logprobs = (
+                    R.chat_logprobs(new_ids, new_entries, job.num_logprobs)
+                    if chat
+                    else R.completion_logprobs(
+                        new_ids, new_entries, job.num_logprobs, sent_chars[index]
+                    )
+                )
+            sent_tokens[index] = len(c.token_ids)
+            if not (delta or c.finished or logprobs):
+                continue
+            sent_chars[index] += len(delta)
+            # The closing chat chunk carries an empty delta ({}), as OpenAI's does.
+            content = None if chat and c.finished and not delta else delta
+            yield emit([R.chunk_choice(chat, index, content, logprobs, c.finish_reason)])
+            if c.finished:
+                finals[index] = output
+        if job.include_usage and len(finals) == num_prompts:
+            ordered = [finals[i] for i in range(num_prompts)]
+            yield emit([], R.usage(ordered))
+        yield R.SSE_DONE
+    except RequestFailedError as e:
+        # Headers went out long ago: the error travels as an event, as in vLLM.
+        yield R.sse(APIError(500, str(e), "internal_server_error").body())
+        yield R.SSE_DONE
+    finally:
+        watcher.cancel()
+        rs.abort()  # client gone (or anything else): free the request's blocks

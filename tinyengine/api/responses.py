@@ -1,0 +1,215 @@
+"""The OpenAI wire format, outbound: response and stream-chunk bodies, usage,
+logprobs, and server-sent-event framing.
+
+Owns the exact shapes OpenAI clients parse (id, object, created, model,
+choices[index, text | message | delta, logprobs, finish_reason], usage).
+Plain dicts, built by small functions: no engine access, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from tinyengine.outputs import Logprob, RequestOutput
+
+# JSON has no -inf; a token the model rules out entirely gets this, as in vLLM.
+MIN_LOGPROB = -9999.0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+# --- logprobs ---
+
+
+def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:
+    lp = entry.get(token_id)
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
+
+
+def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """The top n of the distribution. The engine also reports the sampled
+    token, which may rank below n; it is not part of the top list."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n), key=lambda x: x[1].rank)
+
+
+def _value(lp: Logprob | None) -> float | None:
+    return None if lp is None else max(lp.logprob, MIN_LOGPROB)
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob]],
+    num_top: int,
+    text_offset: int,
+) -> dict[str, Any]:
+    """The legacy completions format: parallel lists per token. `text_offset`
+    is where the first of these tokens starts in the choice's text."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        text = _token_text(token_id, entry)
+        tokens.append(text)
+        token_logprobs.append(_value(entry.get(token_id)))
+        top_logprobs.append({_token_text(t, entry): _value(lp) for t, lp in _top(entry, num_top)})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], num_top: int
+) -> dict[str, Any]:
+    """The chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def item(token_id: int, entry: dict[int, Logprob]) -> dict[str, Any]:
+        text = _token_text(token_id, entry)
+        return {
+            "token": text,
+            "logprob": _value(entry.get(token_id)),
+            "bytes": list(text.encode("utf-8")),
+        }
+
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        top = [item(t, entry) for t, _ in _top(entry, num_top)]
+        content.append({**item(token_id, entry), "top_logprobs": top})
+    return {"content": content}
+
+
+# --- whole responses and stream chunks ---
+
+
+def completion_response(
+    request_id: str, model: str, finals: Sequence[RequestOutput], num_logprobs: int | None
+) -> dict[str, Any]:
+    choices = []
+    for index, out in enumerate(finals):
+        c = out.outputs[0]
+        logprobs = None
+        if num_logprobs is not None and c.logprobs is not None:
+            logprobs = completion_logprobs(c.token_ids, c.logprobs, num_logprobs, 0)
+        choices.append(
+            {
+                "index": index,
+                "text": c.text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": choices,
+        "usage": usage(finals),
+    }
+
+
+def chat_response(
+    request_id: str, model: str, finals: Sequence[RequestOutput], num_logprobs: int | None
+) -> dict[str, Any]:
+    choices = []
+    for index, out in enumerate(finals):
+        c = out.outputs[0]
+        logprobs = None
+        if num_logprobs is not None and c.logprobs is not None:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
+        choices.append(
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": choices,
+        "usage": usage(finals),
+    }
+
+
+def chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    chat: bool,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def chunk_choice(
+    chat: bool,
+    index: int,
+    text: str | None,
+    logprobs: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    role: str | None = None,
+) -> dict[str, Any]:
+    if chat:
+        delta: dict[str, Any] = {}
+        if role is not None:
+            delta["role"] = role
+        if text is not None:
+            delta["content"] = text
+        body: dict[str, Any] = {"index": index, "delta": delta}
+    else:
+        body = {"index": index, "text": text or ""}
+    body["logprobs"] = logprobs
+    body["finish_reason"] = finish_reason
+    return body

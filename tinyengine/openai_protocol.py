@@ -1,0 +1,266 @@
+"""The OpenAI wire format, inbound: request bodies, their validation, and errors.
+
+Owns: the request models of /v1/completions and /v1/chat/completions (the
+fields OpenAI clients send, plus vLLM's extras such as `stop_token_ids` and
+`ignore_eos`), turning a body into a model or an `APIError` that names the
+offending field, turning a request into SamplingParams, and the error body
+`{"error": {"message", "type", "param", "code"}}`.
+
+Must never: touch the engine, or accept a field it cannot honour silently (a
+request for n=2 or a presence penalty is refused, not ignored). Unknown fields
+are ignored, as OpenAI clients send fields (`user`, ...) a server may not use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tinyengine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class APIError(Exception):
+    """An error the server answers with, in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code,
+        )  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param)
+
+
+# --- request models ---
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not an integer and 1 is not a boolean, as OpenAI's own API
+    # would say; extra="ignore": clients send fields we do not use.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields.
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request(f"n={self.n} is not supported: tinyengine returns one choice "
+                              "per prompt (n=1)", "n")  # fmt: skip
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported; leave it at 0", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            match = re.match(r"SamplingParams\.(\w+)", str(e))
+            raise bad_request(str(e), match.group(1) if match else None) from e
+
+
+class CompletionRequest(_SamplingRequest):
+    # str | list[str] | list[int] | list[list[int]]; checked by hand in
+    # `prompts()` for an error message that says which shapes are allowed.
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of is not supported (only 1)", "best_of")
+
+    def prompts(self) -> list[str | dict[str, Any]]:
+        """The prompts as engine inputs: text, or {"prompt_token_ids": [...]}."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            items = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            items = p
+        else:
+            items = []
+        prompts: list[str | dict[str, Any]] = []
+        for item in items:
+            if isinstance(item, str) and item:
+                prompts.append(item)
+            elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+                prompts.append({"prompt_token_ids": list(item)})
+            else:
+                items = []
+                break
+        if not items:
+            raise bad_request(
+                "prompt must be a non-empty string, a list of non-empty strings, a list of "
+                "token ids, or a list of non-empty token-id lists",
+                "prompt",
+            )
+        return prompts
+
+    def sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    # Extra fields (name, tool_calls, reasoning_content, ...) reach the template.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)  # None: up to max_model_len
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages for the chat template; a list of content parts becomes one
+        string (text parts only: tinyengine serves text models)."""
+        out = []
+        for i, message in enumerate(self.messages):
+            m = message.model_dump(exclude_none=True)
+            if isinstance(message.content, list):
+                texts = []
+                for part in message.content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise bad_request(
+                            f"messages[{i}].content: only text parts are supported, "
+                            f"got {part.get('type')!r}",
+                            "messages",
+                        )
+                    texts.append(part["text"])
+                m["content"] = "".join(texts)
+            out.append(m)
+        return out
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+# --- parsing ---
+
+RequestT = TypeVar("RequestT", bound=_SamplingRequest)
+
+
+def parse_request(body: bytes, cls: type[RequestT]) -> RequestT:
+    """Body bytes -> a validated request, or an APIError naming what is wrong."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        request = cls.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        # Drop the union-member tags pydantic puts in a location ("stop.str").
+        loc = [str(part) for part in err["loc"] if not _is_type_tag(part)]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        message = "field required" if err["type"] == "missing" else err["msg"]
+        raise bad_request(f"{where}: {message}", param) from e
+    request.check_supported()
+    return request
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "list", "dict") or "[" in part
+    )
