@@ -33,12 +33,21 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def model_and_reference(request, tmp_path_factory):
-    path = make_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param))
+def _reference(arch: str, folder) -> tuple[str, list, list]:
+    path = make_tiny_hf_model(arch, folder)
     tokens, logits = hf_greedy(path, PROMPTS, MAX_NEW)
     logprobs = [[torch.log_softmax(step.float(), dim=-1) for step in seq] for seq in logits]
     return str(path), tokens, logprobs
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def model_and_reference(request, tmp_path_factory):
+    return _reference(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def llama_and_reference(tmp_path_factory):
+    return _reference("llama", tmp_path_factory.mktemp("llama-triton"))
 
 
 CONFIGS = {
@@ -102,3 +111,23 @@ def test_prefix_hits_within_one_batch_with_small_budget(model_and_reference):
     llm, outs = _run(path, max_num_batched_tokens=48, max_num_seqs=2)
     _assert_matches(outs, tokens, logprobs)
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
+
+
+# The same parity under the Triton kernels (on CPU they run in the Triton
+# interpreter, which is slow: a few configurations, not all).
+TRITON_CONFIGS = {
+    "default": {},
+    "chunked_preempt": {"max_num_batched_tokens": 16, "num_kv_blocks": 12, "block_size": 8},
+}
+
+
+@pytest.mark.parametrize("name", list(TRITON_CONFIGS))
+def test_greedy_matches_hf_with_triton_kernels(llama_and_reference, name):
+    """The kernels do not depend on the model family: llama covers them."""
+    path, tokens, logprobs = llama_and_reference
+    llm, outs = _run(path, attention_backend="triton", **TRITON_CONFIGS[name])
+    _assert_matches(outs, tokens, logprobs)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    if name == "chunked_preempt":
+        assert stats["num_preemptions"] > 0
