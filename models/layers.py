@@ -200,6 +200,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            # One fused kernel instead of ~6 elementwise launches (same rounding
+            # steps; kernels/norm.py). Imported lazily: triton stays unloaded on CPU.
+            from kernels.norm import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -210,6 +216,10 @@ class SiluAndMul(nn.Module):
     """silu(gate) * up for a fused [..., 2 * I] gate_up activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.is_contiguous():
+            from kernels.activation import silu_and_mul_triton
+
+            return silu_and_mul_triton(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -111,6 +111,9 @@ def load_weights(
     """Copy checkpoint tensors into `model`'s parameters, checking that every
     parameter (every shard of a fused one) is filled exactly by the checkpoint."""
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    # A model may route some names itself (e.g. per-expert tensors into stacked
+    # expert weights); it returns None for the names it leaves to `packed`.
+    route_own = getattr(model, "route_checkpoint_name", None)
     tied = bool(getattr(model, "tie_word_embeddings", False))
     params = dict(model.named_parameters())  # a tied weight appears once
 
@@ -121,7 +124,8 @@ def load_weights(
     for ckpt_name, file in weight_map.items():
         if _skipped(ckpt_name, num_hidden_layers, tied):
             continue
-        param_name, shard_id = _route(ckpt_name, packed)
+        routed = route_own(ckpt_name) if route_own is not None else None
+        param_name, shard_id = routed if routed is not None else _route(ckpt_name, packed)
         if param_name not in params:
             unexpected.append(ckpt_name)
             continue

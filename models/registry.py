@@ -10,12 +10,15 @@ from typing import Any
 
 from torch import nn
 
+from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
