@@ -245,9 +245,9 @@ def test_unsupported_config_leaves_default_dtype_alone(tmp_path: Path) -> None:
 
 
 def test_registry() -> None:
-    assert supported_architectures() == [
-        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    ]  # fmt: skip
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(
+        supported_architectures()
+    )
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported.*LlamaForCausalLM"):
         get_model_class({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="no 'architectures'"):
