@@ -83,4 +83,3 @@ def mla_decode(
     scores.masked_fill_(beyond[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bhk,bkl->bhl", probs, latent).to(q_latent.dtype)
-

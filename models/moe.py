@@ -1,0 +1,284 @@
+"""DeepSeek mixture-of-experts: the routers (V2 softmax, V3 sigmoid with a
+correction bias and group-limited top-k), the stacked routed experts, shared
+experts, and the SwiGLU MLP that dense layers use too.
+
+Owns the expert parameter layout -- per layer w13 [E, 2I, D] (each expert's
+gate rows then up rows) and w2 [E, D, I] -- and the weight loaders that stack
+the checkpoint's per-expert tensors (`mlp.experts.E.{gate,up,down}_proj.weight`)
+into it, addressed by shard ids (E, 0 | 1) and E. Routing lives here, not in
+the kernel: kernels/moe.py (or its Triton twin) only applies a routing.
+
+Must never read files or pick a backend by itself: the op set named by the
+ForwardContext decides which fused_moe runs. Routing is made of device ops
+only (top-k, scatter, masks), so it is safe inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import moe as moe_ref
+from models.context import ForwardContext
+from models.layers import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    SiluAndMul,
+    check_tp,
+    default_weight_loader,
+)
+
+ROUTINGS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
+@functools.lru_cache(maxsize=4)
+def fused_moe_op(backend: str) -> Callable[..., torch.Tensor]:
+    """kernels/triton_moe.fused_moe under the Triton op set when that module
+    exists, else the torch reference (same signature either way)."""
+    if backend == "triton":
+        try:
+            # import_module, not `from kernels import ...`: only it reports a
+            # missing module as ModuleNotFoundError naming that module.
+            triton_moe = importlib.import_module("kernels.triton_moe")
+        except ModuleNotFoundError as err:
+            if err.name != "kernels.triton_moe":
+                raise
+        else:
+            return triton_moe.fused_moe
+    return moe_ref.fused_moe
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def _group_mask(
+    group_scores: torch.Tensor, topk_group: int, experts_per_group: int
+) -> torch.Tensor:
+    """[T, G] group scores -> [T, E] bool: experts in the top `topk_group` groups."""
+    chosen = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(group_scores).scatter_(1, chosen, 1.0)
+    return mask.bool().repeat_interleave(experts_per_group, dim=1)
+
+
+def route_v3(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ("noaux_tc"): fp32 logits [T, E] -> (weights [T, K] fp32, ids [T, K]).
+
+    Scores are sigmoids. The *choice* uses scores + correction bias: groups
+    ranked by the sum of their two best biased scores, only the best
+    `topk_group` groups stay eligible, then the top_k biased scores among
+    them. The *weights* are the un-biased scores of the chosen experts
+    (renormalised if norm_topk_prob), times routed_scaling_factor.
+    """
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.sigmoid()
+    biased = scores + correction_bias
+    per_group = num_experts // n_group
+    group_scores = biased.view(num_tokens, n_group, per_group).topk(2, dim=-1).values.sum(-1)
+    eligible = _group_mask(group_scores, topk_group, per_group)
+    biased = biased.masked_fill(~eligible, float("-inf"))
+    ids = torch.topk(biased, k=top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def route_v2(
+    router_logits: torch.Tensor,
+    *,
+    top_k: int,
+    topk_method: str,
+    n_group: int | None,
+    topk_group: int | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2: softmax scores; "greedy" takes the global top_k,
+    "group_limited_greedy" first keeps the `topk_group` groups with the best
+    single score. Weights are the scores times routed_scaling_factor (HF's V2
+    never renormalises, whatever norm_topk_prob says)."""
+    scores = router_logits.softmax(dim=-1, dtype=torch.float32)
+    if topk_method == "group_limited_greedy":
+        num_tokens, num_experts = scores.shape
+        per_group = num_experts // n_group
+        group_scores = scores.view(num_tokens, n_group, per_group).max(dim=-1).values
+        eligible = _group_mask(group_scores, topk_group, per_group)
+        scores = scores.masked_fill(~eligible, 0.0)
+    weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return weights * routed_scaling_factor, ids
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    n_shared_experts: int
+    topk_method: str  # one of ROUTINGS; "noaux_tc" is V3's sigmoid routing
+    n_group: int | None
+    topk_group: int | None
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    mlp_bias: bool  # dense and shared-expert MLPs only (routed experts never have bias)
+
+    def validate(self) -> None:
+        if self.topk_method not in ROUTINGS:
+            raise ValueError(f"topk_method={self.topk_method!r} is not one of {list(ROUTINGS)}")
+        grouped = self.topk_method != "greedy"
+        if grouped and (not self.n_group or not self.topk_group):
+            raise ValueError(f"topk_method={self.topk_method!r} needs n_group and topk_group")
+        if grouped:
+            if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(
+                    f"n_routed_experts={self.num_experts} must split into n_group="
+                    f"{self.n_group} equal groups with 1 <= topk_group={self.topk_group} <= n_group"
+                )
+            eligible = self.topk_group * (self.num_experts // self.n_group)
+            if self.top_k > eligible:
+                raise ValueError(
+                    f"num_experts_per_tok={self.top_k} exceeds the {eligible} experts that "
+                    f"topk_group={self.topk_group} groups hold"
+                )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, {self.num_experts}]")
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into gate_up_proj."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, **tp
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class TopkRouter(nn.Module):
+    """The gate: weight [E, D] (and V3's e_score_correction_bias [E]), both
+    kept in fp32 whatever the model dtype -- HF keeps them fp32 too, and the
+    routing decision is sensitive to rounding."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = _fp32_param(cfg.num_experts, cfg.hidden_size)
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = _fp32_param(cfg.num_experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        logits = F.linear(x.float(), self.weight)
+        if c.topk_method == "noaux_tc":
+            return route_v3(
+                logits, self.e_score_correction_bias, top_k=c.top_k, n_group=c.n_group,
+                topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                routed_scaling_factor=c.routed_scaling_factor,
+            )  # fmt: skip
+        return route_v2(
+            logits, top_k=c.top_k, topk_method=c.topk_method, n_group=c.n_group,
+            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
+        )  # fmt: skip
+
+
+class FusedExperts(nn.Module):
+    """All routed experts of one layer, stacked: w13_weight [E, 2I, D],
+    w2_weight [E, D, I]. Checkpoint tensor `experts.E.gate_proj.weight` loads
+    as shard (E, 0) of w13, `up_proj` as (E, 1), `down_proj` as shard E of w2
+    (models/deepseek.py routes the names)."""
+
+    def __init__(self, cfg: MoEConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        e, i, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts, self.intermediate_size = e, i
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
+        # shard id -> (expert, first row, rows); the loader checks that every
+        # listed shard is filled exactly once.
+        w13_shards = {(x, half): (x, half * i, i) for x in range(e) for half in (0, 1)}
+        self.w13_weight.shard_offsets = w13_shards  # type: ignore[attr-defined]
+        self.w13_weight.weight_loader = _expert_weight_loader  # type: ignore[attr-defined]
+        self.w2_weight.shard_offsets = {x: (x, 0, d) for x in range(e)}  # type: ignore[attr-defined]
+        self.w2_weight.weight_loader = _expert_weight_loader  # type: ignore[attr-defined]
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        op = fused_moe_op(ctx.attention_ops.name)
+        return op(x, self.w13_weight, self.w2_weight, weights, ids, workspace=ctx.workspace)
+
+
+def _expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+    """Copy one expert's [rows, cols] checkpoint tensor into its slice of a
+    stacked [E, rows_total, cols] parameter."""
+    offsets: dict[Any, tuple[int, int, int]] = param.shard_offsets  # type: ignore[attr-defined]
+    if shard_id not in offsets:
+        raise ValueError(
+            f"expert shard {shard_id!r} does not exist: this layer stacks "
+            f"{param.shape[0]} experts (does n_routed_experts in config.json match?)"
+        )
+    expert, start, rows = offsets[shard_id]
+    expected = (rows, param.shape[2])
+    if tuple(loaded.shape) != expected:
+        raise ValueError(
+            f"shape mismatch for expert shard {shard_id!r}: checkpoint has "
+            f"{tuple(loaded.shape)}, model expects {expected}"
+        )
+    param.data[expert, start : start + rows].copy_(loaded)
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts (weighted by the gate) plus always-on shared experts."""
+
+    def __init__(self, cfg: MoEConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        cfg.validate()
+        self.gate = TopkRouter(cfg)
+        self.experts = FusedExperts(cfg, tp_rank, tp_size)
+        if cfg.n_shared_experts:
+            self.shared_experts: SwiGLUMLP | None = SwiGLUMLP(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                cfg.mlp_bias, tp_rank, tp_size,
+            )  # fmt: skip
+        else:
+            self.shared_experts = None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids, ctx)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def _fp32_param(*shape: int) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+    param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return param
