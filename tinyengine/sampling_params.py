@@ -23,6 +23,7 @@ class SamplingParams:
     tokens of the model's (unmodified) distribution.
     """
 
+    n: int = 1  # completions per prompt; only 1 is supported
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -49,6 +50,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
+        if self.n != 1:
+            raise bad("n", "must be 1 (several completions per prompt are not supported)")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -537,3 +537,9 @@ def test_sampling_params_accepts_edges() -> None:
     SamplingParams(top_k=0, min_p=1.0, logprobs=0, max_tokens=None, min_tokens=100)
     SamplingParams(logprobs=MAX_LOGPROBS, stop="x", min_tokens=3, max_tokens=3)
     assert math.isclose(SamplingParams(temperature=0.5).temperature, 0.5)
+
+
+def test_n_other_than_one_is_refused_by_name():
+    with pytest.raises(ValueError, match="SamplingParams.n"):
+        SamplingParams(n=2)
+    assert SamplingParams(n=1).n == 1
