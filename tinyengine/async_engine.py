@@ -219,7 +219,8 @@ class AsyncLLMEngine:
             seconds[record.name] = record.seconds
         state = machine.state.value
         if self._error or state == "failed":
-            return Health(False, "failed", None, self._error or machine.report.error, seconds)
+            # The machine's error names the stage that failed ("load: ...").
+            return Health(False, "failed", None, machine.report.error or self._error, seconds)
         if self.ready:
             return Health(True, "ready", None, None, seconds)
         from tinyengine.worker.startup import TRANSITIONS
@@ -239,7 +240,7 @@ class AsyncLLMEngine:
         """Queue one engine request per prompt; outputs arrive on the stream.
         Validation happens in the engine thread: await `stream.accepted()`."""
         if not self.ready:
-            raise EngineNotReadyError(self._not_ready_message())
+            raise EngineNotReadyError(self.not_ready_message())
         if len(prompts) == 1:
             ids = [request_id]
         else:
@@ -248,7 +249,7 @@ class AsyncLLMEngine:
         self._post(_Add(stream, list(prompts), params, time.monotonic()))
         return stream
 
-    def _not_ready_message(self) -> str:
+    def not_ready_message(self) -> str:
         h = self.health()
         if h.state == "failed":
             return f"the engine failed to start: {h.error}"
@@ -329,7 +330,6 @@ class AsyncLLMEngine:
             for request_id in added:
                 engine.abort_request(request_id)
                 del self._live[request_id]
-            self.metrics.count_request("rejected")
             error = RequestRejectedError(str(exc)) if isinstance(exc, ValueError) else exc
             if not isinstance(exc, ValueError):
                 logger.exception("add_request failed")
@@ -418,4 +418,3 @@ class AsyncLLMEngine:
 def _deliver(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, event in batch:
         stream._put(event)
-

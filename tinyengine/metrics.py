@@ -19,12 +19,68 @@ from typing import Any
 PREFIX = "tinyengine_"
 
 # Buckets in seconds, as vLLM's: CPU steps are slow, GPU steps fast; both fit.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)  # fmt: skip
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
-               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 
 # Label values of tinyengine_requests_total{status=...}.
 REQUEST_STATUSES = ("stop", "length", "abort", "error", "rejected")
@@ -98,15 +154,28 @@ class ServerMetrics:
         engine exists); `stage_seconds` is the startup report's per-stage time."""
         out = _Writer()
         with self._lock:
-            out.metric("requests_total", "counter", "Finished requests by status.",
-                       [({"status": s}, n) for s, n in self.requests.items()])  # fmt: skip
-            out.metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-                       [({}, self.prompt_tokens)])  # fmt: skip
-            out.metric("generation_tokens_total", "counter", "Generated tokens.",
-                       [({}, self.generation_tokens)])  # fmt: skip
+            out.metric(
+                "requests_total",
+                "counter",
+                "Finished requests by status.",
+                [({"status": s}, n) for s, n in self.requests.items()],
+            )
+            out.metric(
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens of finished requests.",
+                [({}, self.prompt_tokens)],
+            )
+            out.metric(
+                "generation_tokens_total",
+                "counter",
+                "Generated tokens.",
+                [({}, self.generation_tokens)],
+            )
             out.histogram("time_to_first_token_seconds", "From arrival to first token.", self.ttft)
-            out.histogram("time_per_output_token_seconds", "Mean time between output tokens.",
-                          self.tpot)  # fmt: skip
+            out.histogram(
+                "time_per_output_token_seconds", "Mean time between output tokens.", self.tpot
+            )
             out.histogram("e2e_request_latency_seconds", "From arrival to finish.", self.e2e)
         s = stats or {}
         total = s.get("num_total_blocks", 0)
@@ -119,20 +188,39 @@ class ServerMetrics:
             ("kv_blocks_used", "KV cache blocks held by requests.", used),
             ("kv_blocks_total", "KV cache blocks in the cache.", total),
             ("kv_cache_usage_ratio", "Fraction of KV blocks in use.", used / total if total else 0),
-            ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried.",
-             hit_rate),  # fmt: skip
+            (
+                "prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / queried.",
+                hit_rate,
+            ),
             ("ready", "1 when the startup state machine is READY.", int(ready)),
         ]
         for name, help_text, value in gauges:
             out.metric(name, "gauge", help_text, [({}, value)])
-        out.metric("num_preemptions_total", "counter", "Requests preempted (recomputed later).",
-                   [({}, s.get("num_preemptions", 0))])  # fmt: skip
-        out.metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found cached.",
-                   [({}, s.get("prefix_cache_hit_tokens", 0))])  # fmt: skip
-        out.metric("prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up.",
-                   [({}, queried)])  # fmt: skip
-        out.metric("startup_stage_seconds", "gauge", "Seconds each startup stage took.",
-                   [({"stage": k}, v) for k, v in stage_seconds.items()])  # fmt: skip
+        out.metric(
+            "num_preemptions_total",
+            "counter",
+            "Requests preempted (recomputed later).",
+            [({}, s.get("num_preemptions", 0))],
+        )
+        out.metric(
+            "prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens found cached.",
+            [({}, s.get("prefix_cache_hit_tokens", 0))],
+        )
+        out.metric(
+            "prefix_cache_query_tokens_total",
+            "counter",
+            "Prompt tokens looked up.",
+            [({}, queried)],
+        )
+        out.metric(
+            "startup_stage_seconds",
+            "gauge",
+            "Seconds each startup stage took.",
+            [({"stage": k}, v) for k, v in stage_seconds.items()],
+        )
         out.metric("model_info", "gauge", "The served model.", [({"model": model_name}, 1)])
         return out.text()
 

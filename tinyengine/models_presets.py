@@ -42,8 +42,7 @@ def resolve_model(spec: str | None, cache_dir: str | None = None) -> str:
     if spec in ("deepseek-v3-tiny", "deepseek-v3-proxy"):
         return _builder("tinyengine.tools.make_proxy", "ensure_preset")(spec, cache_dir=cache_dir)
     raise PresetError(
-        f"model {spec!r} is neither an existing folder nor a preset; "
-        f"presets are {list(PRESETS)}"
+        f"model {spec!r} is neither an existing folder nor a preset; presets are {list(PRESETS)}"
     )
 
 

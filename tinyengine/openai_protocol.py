@@ -35,8 +35,12 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
-            status, message, type, param, code,
-        )  # fmt: skip
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
 
     def body(self) -> dict[str, Any]:
         return {
@@ -97,8 +101,9 @@ class _SamplingRequest(_Strict):
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
-            raise bad_request(f"n={self.n} is not supported: tinyengine returns one choice "
-                              "per prompt (n=1)", "n")  # fmt: skip
+            raise bad_request(
+                f"n={self.n} is not supported: tinyengine returns one choice per prompt (n=1)", "n"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported; leave it at 0", name)

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server: `create_app(ServerSettings)` builds it.
 
-    app.py        wiring, auth, errors, /health, /v1/models, /metrics
-    generate.py   /v1/completions and /v1/chat/completions (streaming or not)
-    responses.py  response, chunk, usage and logprobs bodies
-    settings.py   ServerSettings from environment variables or the CLI
+app.py        wiring, auth, errors, /health, /v1/models, /metrics
+generate.py   /v1/completions and /v1/chat/completions (streaming or not)
+responses.py  response, chunk, usage and logprobs bodies
+settings.py   ServerSettings from environment variables or the CLI
 """
 
 from tinyengine.api.app import create_app

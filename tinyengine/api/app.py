@@ -117,13 +117,15 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     err = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    error = APIError(400, f"{'.'.join(loc)}: {err.get('msg', 'invalid request')}", param=loc[0]
-                     if loc else None)  # fmt: skip
+    error = APIError(
+        400, f"{'.'.join(loc)}: {err.get('msg', 'invalid request')}", param=loc[0] if loc else None
+    )
     return JSONResponse(error.body(), status_code=400)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in %s %s", request.method, request.url.path)
-    error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
-                     "internal_server_error")  # fmt: skip
+    error = APIError(
+        500, f"internal server error: {type(exc).__name__}: {exc}", "internal_server_error"
+    )
     return JSONResponse(error.body(), status_code=500)

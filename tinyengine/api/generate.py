@@ -77,8 +77,11 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
     params = req.sampling_params()
     tokenizer = engine.engine.tokenizer
     if tokenizer is None:
-        raise bad_request("this model has no tokenizer, so chat is unavailable; use "
-                          "/v1/completions with token ids", "messages")  # fmt: skip
+        raise bad_request(
+            "this model has no tokenizer, so chat is unavailable; use "
+            "/v1/completions with token ids",
+            "messages",
+        )
     messages = req.template_messages()
     try:
         # Off the event loop: a long conversation takes a while to render and encode.
@@ -103,22 +106,31 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
 def _ready_engine(request: Request) -> AsyncLLMEngine:
     engine: AsyncLLMEngine = request.app.state.engine
     if not engine.ready:
-        raise APIError(503, engine._not_ready_message(), "service_unavailable")
+        raise APIError(503, engine.not_ready_message(), "service_unavailable")
     return engine
 
 
 def _check_model(request: Request, model: str | None) -> str:
     served = request.app.state.settings.model_name
     if model is not None and model != served:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
-                       "invalid_request_error", "model", "model_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served!r}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
     return served
 
 
 async def _read_body(request: Request) -> bytes:
     limit: int = request.app.state.settings.max_request_bytes
-    too_large = APIError(413, f"the request body is larger than {limit} bytes (the server's "
-                         "TINYENGINE_MAX_REQUEST_BYTES)", "invalid_request_error")  # fmt: skip
+    too_large = APIError(
+        413,
+        f"the request body is larger than {limit} bytes (the server's "
+        "TINYENGINE_MAX_REQUEST_BYTES)",
+        "invalid_request_error",
+    )
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
@@ -207,6 +219,7 @@ async def _stream(
     stops = [] if params.include_stop_str_in_output else list(params.stop or [])
     sent_chars = [0] * num_prompts
     sent_tokens = [0] * num_prompts
+    token_text_end = [0] * num_prompts  # where the next token's text starts (logprobs)
     finals: dict[int, RequestOutput] = {}
 
     def emit(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
@@ -228,9 +241,13 @@ async def _stream(
                     R.chat_logprobs(new_ids, new_entries, job.num_logprobs)
                     if chat
                     else R.completion_logprobs(
-                        new_ids, new_entries, job.num_logprobs, sent_chars[index]
+                        new_ids, new_entries, job.num_logprobs, token_text_end[index]
                     )
                 )
+                if not chat and logprobs["tokens"]:
+                    token_text_end[index] = logprobs["text_offset"][-1] + len(
+                        logprobs["tokens"][-1]
+                    )
             sent_tokens[index] = len(c.token_ids)
             if not (delta or c.finished or logprobs):
                 continue

@@ -1,0 +1,471 @@
+"""The OpenAI-compatible server against real weights (SmolLM2-135M-Instruct),
+through a real `uvicorn server:app` process, with httpx and the official
+`openai` client.
+
+The reference for every text is the offline API in this process
+(`LLM.generate` / `LLM.chat` with the same engine options): the server must
+give exactly what the engine gives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import start_server
+from tinyengine import LLM, SamplingParams
+
+API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ENGINE = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256)
+MAX_REQUEST_BYTES = 64 * 1024
+PROMPT = "The capital of France is"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path: str):
+    env = {f"TINYENGINE_{k.upper()}": str(v) for k, v in ENGINE.items()}
+    env.update(
+        TINYENGINE_MODEL=smollm2_path,
+        TINYENGINE_API_KEY=API_KEY,
+        TINYENGINE_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES),
+        TINYENGINE_PRINT_STARTUP_REPORT="false",
+    )
+    yield from start_server(env)
+
+
+@pytest.fixture(scope="module")
+def model_name(smollm2_path: str) -> str:
+    return smollm2_path.rstrip("/").split("/")[-1]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path: str) -> LLM:
+    return LLM(smollm2_path, **ENGINE, print_startup_report=False)
+
+
+@pytest.fixture
+def client(server) -> httpx.Client:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def read_sse(response: httpx.Response) -> list[Any]:
+    """The decoded `data:` payloads of a stream; "[DONE]" stays a string."""
+    events = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """/metrics as {"name{labels}": value}, checking the text format line by line."""
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    values: dict[str, float] = {}
+    typed: set[str] = set()
+    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+    for line in r.text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+            continue
+        if line.startswith("#") or not line:
+            continue
+        m = sample.match(line)
+        assert m, f"not a Prometheus sample line: {line!r}"
+        family = re.sub(r"_(bucket|sum|count)$", "", m.group(1))
+        assert m.group(1) in typed or family in typed, f"{m.group(1)} has no # TYPE"
+        values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return values
+
+
+# --- text parity with the offline engine ---
+
+
+def test_completion_matches_llm_generate(client, llm, model_name):
+    ref = llm.generate([PROMPT], greedy(16), use_tqdm=False)[0]
+    r = client.post(
+        "/v1/completions",
+        json={"model": model_name, "prompt": PROMPT, "max_tokens": 16, "temperature": 0},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == model_name
+    assert body["id"].startswith("cmpl-") and isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert choice["index"] == 0
+    assert choice["text"] == ref.outputs[0].text
+    assert choice["finish_reason"] == ref.outputs[0].finish_reason
+    assert body["usage"] == {
+        "prompt_tokens": len(ref.prompt_token_ids),
+        "completion_tokens": len(ref.outputs[0].token_ids),
+        "total_tokens": len(ref.prompt_token_ids) + len(ref.outputs[0].token_ids),
+    }
+
+
+def test_completion_stream_matches_and_reports_usage(client, llm):
+    ref = llm.generate([PROMPT], greedy(16), use_tqdm=False)[0]
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = read_sse(r)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == len(ref.outputs[0].token_ids)
+    assert usage_chunk["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref.outputs[0].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == ref.outputs[0].finish_reason
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_token_id_prompts_and_several_prompts(client, llm):
+    tok = llm.get_tokenizer()
+    prompts = [PROMPT, "Name three primary colors:"]
+    refs = llm.generate(prompts, greedy(6), use_tqdm=False)
+    r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 6, "temperature": 0})
+    assert [c["text"] for c in r.json()["choices"]] == [o.outputs[0].text for o in refs]
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    ids = tok.encode(PROMPT)
+    for prompt in (ids, [ids]):
+        r = client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0}
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == refs[0].outputs[0].text
+
+
+def test_seeded_sampling_matches(client, llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12)
+    ref = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    r = client.post(
+        "/v1/completions",
+        json={
+            "prompt": PROMPT,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "top_k": 50,
+            "seed": 1234,
+            "max_tokens": 12,
+        },
+    )
+    assert r.json()["choices"][0]["text"] == ref.outputs[0].text
+
+
+def test_chat_matches_llm_chat(client, oai, llm, model_name):
+    ref = llm.chat(QUESTION, greedy(16), use_tqdm=False)[0]
+    r = client.post(
+        "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 16, "temperature": 0}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    message = body["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": ref.outputs[0].text}
+    assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert body["usage"]["completion_tokens"] == len(ref.outputs[0].token_ids)
+
+    # The official client, streaming, with max_completion_tokens.
+    stream = oai.chat.completions.create(
+        model=model_name,
+        messages=QUESTION,
+        max_completion_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.outputs[0].text
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [ref.outputs[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_openai_client_completions_and_models(oai, llm, model_name):
+    ref = llm.generate([PROMPT], greedy(10), use_tqdm=False)[0]
+    out = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=10, temperature=0)
+    assert out.choices[0].text == ref.outputs[0].text
+    assert out.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.outputs[0].token_ids)
+    assert [m.id for m in oai.models.list().data] == [model_name]
+
+
+# --- stop strings ---
+
+
+def test_stop_string_ends_stream_at_the_right_place(client, llm):
+    full = llm.generate([PROMPT], greedy(20), use_tqdm=False)[0].outputs[0].text
+    # A stop string from the middle of the greedy text, likely spanning tokens.
+    k = len(full) // 2
+    stop = full[k : k + 5]
+    expected = full[: full.find(stop)]
+    ref = llm.generate([PROMPT], greedy(20, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert ref.text == expected and ref.finish_reason == "stop"
+
+    body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stop": stop, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = read_sse(r)
+    assert events[-1] == "[DONE]"
+    streamed = ""
+    for event in events[:-1]:
+        streamed += event["choices"][0]["text"]
+        # Never a character that the stop string later cut away.
+        assert expected.startswith(streamed), (streamed, expected)
+    assert streamed == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": QUESTION, "max_tokens": 12, "temperature": 0, "stop": ["France"]},
+    )
+    chat = r.json()["choices"][0]
+    assert chat["finish_reason"] == "stop" and "France" not in chat["message"]["content"]
+
+
+# --- logprobs ---
+
+
+def test_completion_logprobs(client, llm):
+    ref = llm.generate([PROMPT], greedy(6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    r = client.post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 3}
+    )
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    assert "".join(lp["tokens"]) == r.json()["choices"][0]["text"]
+    assert lp["text_offset"][0] == 0
+    for i, (token_id, entry) in enumerate(zip(ref.token_ids, ref.logprobs, strict=True)):
+        assert lp["token_logprobs"][i] == pytest.approx(entry[token_id].logprob, abs=1e-5)
+        assert 1 <= len(lp["top_logprobs"][i]) <= 3
+        # Greedy: the sampled token is the most likely one.
+        assert max(lp["top_logprobs"][i].values()) == pytest.approx(lp["token_logprobs"][i])
+
+
+def test_streamed_completion_logprobs_line_up(client):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = read_sse(r)[:-1]
+    tokens, offsets, text = [], [], ""
+    for event in events:
+        choice = event["choices"][0]
+        text += choice["text"]
+        tokens += choice["logprobs"]["tokens"]
+        offsets += choice["logprobs"]["text_offset"]
+    assert len(tokens) == 6 and "".join(tokens) == text
+    assert offsets == [len("".join(tokens[:i])) for i in range(6)]
+
+
+def test_chat_logprobs_openai_format(oai, model_name):
+    out = oai.chat.completions.create(
+        model=model_name,
+        messages=QUESTION,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 2
+        assert item.bytes == list(item.token.encode())
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+
+
+# --- a client that goes away ---
+
+
+def wait_until_idle(client: httpx.Client, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(client)
+        idle = (
+            m["tinyengine_num_requests_running"] == 0
+            and m["tinyengine_num_requests_waiting"] == 0
+            and m["tinyengine_kv_blocks_used"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_disconnect_aborts_and_frees_blocks(server, client):
+    before = metrics(client)['tinyengine_requests_total{status="abort"}']
+    long_run = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    with client.stream("POST", "/v1/completions", json={**long_run, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)  # some tokens arrive; then the client hangs up
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(server.url + "/v1/completions", json=long_run, headers=AUTH, timeout=1.0)
+
+    m = wait_until_idle(client)
+    assert m["tinyengine_num_requests_running"] == 0
+    assert m["tinyengine_num_requests_waiting"] == 0
+    assert m["tinyengine_kv_blocks_used"] == 0
+    assert m['tinyengine_requests_total{status="abort"}'] == before + 2
+
+
+# --- bad input ---
+
+BAD_REQUESTS = [
+    # (endpoint, body (dict, or raw bytes), status, param, words in the message)
+    ("completions", b'{"prompt": "hi", ', 400, None, "not valid JSON"),
+    ("completions", b'["a list"]', 400, None, "JSON object"),
+    ("completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    ("completions", {"prompt": 3.5}, 400, "prompt", "prompt"),
+    ("completions", {}, 400, "prompt", "required"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    ("completions", {"prompt": "hi " * 600}, 400, None, "max_model_len"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than"),
+    ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", "greater"),
+    ("completions", {"prompt": "hi", "n": 3}, 400, "n", "n=3"),
+    ("completions", {"prompt": "hi", "top_k": -7}, 400, "top_k", "top_k"),
+    ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "less than"),
+    ("completions", {"prompt": [10**9]}, 400, None, "vocabulary"),
+    ("chat/completions", {"messages": []}, 400, "messages", "non-empty"),
+    ("chat/completions", {"messages": "hello"}, 400, "messages", "array"),
+    ("chat/completions", {"messages": QUESTION, "n": 2}, 400, "n", "n=2"),
+    ("chat/completions", {"messages": QUESTION, "temperature": -1}, 400, "temperature", ">"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi " * 600}]},
+        400,
+        None,
+        "max_model_len",
+    ),
+    ("chat/completions", {"messages": QUESTION, "model": "nope"}, 404, "model", "nope"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param,words", BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error(client, endpoint, body, status, param, words):
+    if isinstance(body, bytes):
+        r = client.post(
+            f"/v1/{endpoint}", content=body, headers={"content-type": "application/json"}
+        )
+    else:
+        r = client.post(f"/v1/{endpoint}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert words.replace(">", "greater").lower() in error["message"].lower()
+
+
+def test_body_limit_and_server_keeps_serving(client):
+    big = {"prompt": "x" * (MAX_REQUEST_BYTES + 10)}
+    r = client.post("/v1/completions", json=big)
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_REQUEST_BYTES // 1024 + 2):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = client.post("/v1/completions", content=chunked())
+    assert r.status_code == 413
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_api_key(server):
+    with httpx.Client(base_url=server.url, timeout=30) as anon:
+        assert anon.get("/health").status_code == 200  # /health needs no key
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+        ):
+            r = anon.request(method, path, json={"prompt": "hi"})
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+            r = anon.request(
+                method, path, json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"}
+            )
+            assert r.status_code == 401
+        assert anon.get("/v1/models", headers=AUTH).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+# --- health, models, metrics ---
+
+
+def test_health_models_and_metrics(client, model_name):
+    h = client.get("/health")
+    assert h.status_code == 200
+    assert h.json()["status"] == "ready"
+    assert set(h.json()["stage_seconds"]) >= {"load", "profile", "size_kv", "warmup", "lock"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == model_name
+    # A prompt longer than one KV block, twice: the second hits the prefix cache.
+    long_prompt = "Once upon a time, in a land far away, there lived a wise old owl. " * 3
+    for _ in range(2):
+        assert (
+            client.post(
+                "/v1/completions", json={"prompt": long_prompt, "max_tokens": 2}
+            ).status_code
+            == 200
+        )
+    m = metrics(client)
+    for name in (
+        'tinyengine_requests_total{status="length"}',
+        'tinyengine_requests_total{status="rejected"}',
+        "tinyengine_prompt_tokens_total",
+        "tinyengine_generation_tokens_total",
+        "tinyengine_time_to_first_token_seconds_count",
+        "tinyengine_time_per_output_token_seconds_count",
+        "tinyengine_num_requests_running",
+        "tinyengine_num_requests_waiting",
+        "tinyengine_kv_blocks_used",
+        "tinyengine_kv_blocks_total",
+        "tinyengine_prefix_cache_hit_rate",
+        "tinyengine_num_preemptions_total",
+        'tinyengine_startup_stage_seconds{stage="warmup"}',
+    ):
+        assert name in m, name
+    assert m['tinyengine_requests_total{status="length"}'] >= 2
+    assert m["tinyengine_generation_tokens_total"] >= 4
+    assert m["tinyengine_kv_blocks_total"] > 0
+    assert 0 < m["tinyengine_prefix_cache_hit_rate"] <= 1
+    assert (
+        m['tinyengine_time_to_first_token_seconds_bucket{le="+Inf"}']
+        == m["tinyengine_time_to_first_token_seconds_count"]
+    )

@@ -1,0 +1,134 @@
+"""Unit tests of the server's pure parts: settings from the environment,
+presets, request parsing and Prometheus rendering. No model, no process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinyengine.api.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings, parse_option
+from tinyengine.metrics import ServerMetrics
+from tinyengine.models_presets import PresetError, resolve_model, served_model_name
+from tinyengine.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
+
+
+def test_settings_from_env_parse_every_kind_of_field():
+    env = {
+        "TINYENGINE_MODEL": "smollm2-135m",
+        "TINYENGINE_MAX_NUM_SEQS": "8",
+        "TINYENGINE_GPU_MEMORY_UTILIZATION": "0.5",
+        "TINYENGINE_ENFORCE_EAGER": "true",
+        "TINYENGINE_ENABLE_PREFIX_CACHING": "0",
+        "TINYENGINE_HF_OVERRIDES": '{"num_hidden_layers": 2}',
+        "TINYENGINE_CUDA_GRAPH_SIZES": "[1, 2, 4]",
+        "TINYENGINE_MAX_MODEL_LEN": "none",
+        "TINYENGINE_API_KEY": "secret",
+        "TINYENGINE_MAX_REQUEST_BYTES": "1000",
+        "TINYENGINE_CACHE": "/not/an/engine/option",  # other TINYENGINE_ vars are left alone
+    }
+    s = ServerSettings.from_env(env)
+    assert s.model == "smollm2-135m" and s.model_name == "smollm2-135m"
+    assert s.engine_kwargs == {
+        "max_num_seqs": 8,
+        "gpu_memory_utilization": 0.5,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "hf_overrides": {"num_hidden_layers": 2},
+        "cuda_graph_sizes": [1, 2, 4],
+        "max_model_len": None,
+    }
+    assert s.api_key == "secret" and s.max_request_bytes == 1000
+    default = ServerSettings.from_env({})
+    assert default.model == "deepseek-v3-tiny" and default.model_name == "deepseek-v3-tiny"
+    assert default.api_key is None and default.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+
+
+@pytest.mark.parametrize(
+    "env,words",
+    [
+        ({"TINYENGINE_MAX_NUM_SEQS": "many"}, "TINYENGINE_MAX_NUM_SEQS='many'"),
+        ({"TINYENGINE_ENFORCE_EAGER": "maybe"}, "TINYENGINE_ENFORCE_EAGER"),
+        ({"TINYENGINE_HF_OVERRIDES": "[1]"}, "JSON dict"),
+        ({"TINYENGINE_DTYPE": "float8"}, "EngineConfig.dtype"),
+    ],
+)
+def test_bad_settings_fail_at_startup_naming_the_variable(env, words):
+    with pytest.raises(ValueError, match=words.replace("[", r"\[")):
+        ServerSettings.from_env(env)
+
+
+def test_parse_option_optional_int():
+    assert parse_option("X", "None", int | None) is None
+    assert parse_option("X", " 12 ", int | None) == 12
+
+
+def test_presets(tmp_path):
+    assert resolve_model(str(tmp_path)) == str(tmp_path)  # a folder is used as is
+    assert served_model_name(str(tmp_path / "my-model") + "/") == "my-model"
+    assert served_model_name(None) == "deepseek-v3-tiny"
+    with pytest.raises(PresetError, match="neither an existing folder nor a preset"):
+        resolve_model("no-such-model")
+
+
+def test_request_parsing():
+    r = parse_request(b'{"prompt": [[1, 2], [3]], "stop": "x", "max_tokens": 3}', CompletionRequest)
+    assert r.prompts() == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
+    assert r.sampling_params().stop == ["x"]
+    chat = parse_request(
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+        b' {"type": "text", "text": "b"}]}], "logprobs": true, "top_logprobs": 2,'
+        b' "max_completion_tokens": 7}',
+        ChatCompletionRequest,
+    )
+    assert chat.template_messages() == [{"role": "user", "content": "ab"}]
+    params = chat.sampling_params()
+    assert params.logprobs == 2 and params.max_tokens == 7
+    for body, param in [
+        (b'{"prompt": "a", "stream_options": {"include_usage": true}}', "stream_options"),
+        (b'{"prompt": "a", "presence_penalty": 0.5}', "presence_penalty"),
+        (b'{"prompt": "a", "echo": true}', "echo"),
+        (b'{"prompt": "a", "top_p": 0}', "top_p"),
+        (b'{"prompt": "a", "stream": 1}', "stream"),
+        (b'{"prompt": "a", "min_tokens": 5, "max_tokens": 2}', "min_tokens"),
+        (b'{"prompt": ""}', "prompt"),
+        (b'{"prompt": [[]]}', "prompt"),
+    ]:
+        with pytest.raises(APIError) as e:
+            request = parse_request(body, CompletionRequest)
+            request.sampling_params()
+            request.prompts()
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.message)
+
+
+def test_metrics_render():
+    m = ServerMetrics()
+    m.record_first_token(0.05)
+    m.record_finished("stop", 10, 5, 1.0, 0.4)
+    m.count_request("rejected")
+    text = m.render(
+        {
+            "num_total_blocks": 10,
+            "num_free_blocks": 7,
+            "num_running": 1,
+            "num_waiting": 2,
+            "prefix_cache_hit_tokens": 16,
+            "prefix_cache_query_tokens": 64,
+            "num_preemptions": 3,
+        },
+        {"load": 1.5},
+        True,
+        'we"ird',
+    )
+    lines = text.splitlines()
+    assert 'tinyengine_requests_total{status="stop"} 1' in lines
+    assert 'tinyengine_requests_total{status="rejected"} 1' in lines
+    assert "tinyengine_kv_blocks_used 3" in lines
+    assert "tinyengine_prefix_cache_hit_rate 0.25" in lines
+    assert "tinyengine_num_preemptions_total 3" in lines
+    assert 'tinyengine_time_per_output_token_seconds_bucket{le="0.1"} 1' in lines
+    assert 'tinyengine_startup_stage_seconds{stage="load"} 1.5' in lines
+    assert 'tinyengine_model_info{model="we\\"ird"} 1' in lines
