@@ -1,7 +1,8 @@
 """The server under load: many concurrent requests through one real uvicorn
-process, batched by the scheduler. The model is a tiny random llama with a
-real tokenizer, so a step costs almost nothing and hundreds of requests fit
-in a CI run; the KV cache is kept small so that preemption happens too.
+process, batched by the scheduler. The model is the embedded default, the
+deepseek-v3-tiny proxy (MLA, MoE, the real DeepSeek tokenizer), so a step
+costs little and hundreds of requests fit in a CI run; the KV cache is kept
+small so that preemption happens too.
 """
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ ENGINE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512, nu
 
 
 @pytest.fixture(scope="module")
-def server(tiny_text_model: str):
+def proxy_model() -> str:
+    from tinyengine.tools.make_proxy import ensure_preset
+
+    return ensure_preset("deepseek-v3-tiny")
+
+
+@pytest.fixture(scope="module")
+def server(proxy_model: str):
     env = {f"TINYENGINE_{k.upper()}": str(v) for k, v in ENGINE.items()}
     env.update(
-        TINYENGINE_MODEL=tiny_text_model,
+        TINYENGINE_MODEL=proxy_model,
         TINYENGINE_SERVED_MODEL_NAME="tiny",
         TINYENGINE_PRINT_STARTUP_REPORT="0",
     )
@@ -77,9 +85,9 @@ async def stream_text(c: httpx.AsyncClient, body: dict, cancel_after: int | None
     return out
 
 
-def test_concurrent_streams_each_get_their_own_text(server, tiny_text_model):
+def test_concurrent_streams_each_get_their_own_text(server, proxy_model):
     prompts = [f"Request number {i} says:" + " la" * i for i in range(16)]
-    llm = LLM(tiny_text_model, **ENGINE, print_startup_report=False)
+    llm = LLM(proxy_model, **ENGINE, print_startup_report=False)
     refs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
     )
