@@ -109,17 +109,11 @@ class LLMEngine:
     def capture_skip_reason(self) -> str:
         return self.runner.capture_skip_reason
 
-    def _graph_sizes(self) -> list[int]:
-        """The decode sizes capture will record ([] when it will not)."""
-        if self.runner.make_graph_backend() is None:
-            return []
-        return self.runner.capture_sizes
-
     def stage_load(self) -> None:
         self.runner.load_model()
 
     def stage_profile(self) -> int:
-        self._profile = profile_run(self.runner, self._graph_sizes())
+        self._profile = profile_run(self.runner, self.runner.graph_sizes())
         return self._profile.peak_bytes
 
     def stage_size_kv(self, profiled_peak: int) -> int:
@@ -135,7 +129,7 @@ class LLMEngine:
         return num_blocks
 
     def stage_warmup(self) -> None:
-        run_warmup(self, self._graph_sizes())
+        run_warmup(self, self.runner.graph_sizes())
         self._ids = itertools.count()
 
     def stage_capture(self) -> list[int] | None:

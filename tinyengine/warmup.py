@@ -69,10 +69,8 @@ def run_warmup(engine: LLMEngine, graph_sizes: list[int]) -> None:
 
     # One eager run of every shape that will be captured, through the very
     # callable the graph will capture.
-    with torch.inference_mode():
-        for size in graph_sizes:
-            runner.write_decode_inputs(size, ([], [], [], [], []))
-            runner.decode_step(size)()
+    for size in graph_sizes:
+        runner.run_decode_shape(size)
 
     runner.zero_kv_cache()
     block_manager.reset()

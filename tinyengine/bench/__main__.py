@@ -1,7 +1,7 @@
-r"""`python -m tinyengine.bench <subcommand> [options]`: dispatch to one benchmark.
+"""`python -m tinyengine.bench <subcommand> [options]`: dispatch to one benchmark.
 
-    python -m tinyengine.bench serve --base-url http://127.0.0.1:8000 \
-        --num-requests 64 --request-rate 4 --input-len-range 32:256 \
+    python -m tinyengine.bench serve --base-url http://127.0.0.1:8000
+        --num-requests 64 --request-rate 4 --input-len-range 32:256
         --output-len-range 16:64 --seed 0 [--json out.json]
 
 Each subcommand lives in its own module (imported only when chosen) that

@@ -80,8 +80,7 @@ def profile_run(runner, graph_sizes: list[int]) -> ProfileResult:
     if runner.attention_ops.name == "triton":
         sizes.update(range(1, cfg.max_num_seqs + 1))
     for size in sorted(sizes):
-        runner.write_decode_inputs(size, ([], [], [], [], []))
-        runner.decode_step(size)()
+        runner.run_decode_shape(size)
     decode_peak = _peak_since(device, mark)
     return ProfileResult(max(peak, decode_peak), decode_peak)
 

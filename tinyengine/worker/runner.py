@@ -264,20 +264,35 @@ class ModelRunner:
 
     # --- stage work: capture ---
 
-    def make_graph_backend(self) -> CudaGraphBackend | RecordingGraphBackend | None:
-        """None (with capture_skip_reason set) when this run does not capture."""
-        choice = self.config.graph_backend
-        if self.config.enforce_eager or choice == "none":
+    def capture_enabled(self) -> bool:
+        """Whether capture will record graphs (sets capture_skip_reason if not)."""
+        if self.config.enforce_eager or self.config.graph_backend == "none":
             self.capture_skip_reason = (
                 "enforce_eager" if self.config.enforce_eager else "graph_backend='none'"
             )
-            return None
-        if choice == "recording":
-            return RecordingGraphBackend(self.workspace)
-        if self.device.type != "cuda":
+            return False
+        if self.config.graph_backend != "recording" and self.device.type != "cuda":
             self.capture_skip_reason = "no CUDA device"
+            return False
+        return True
+
+    def graph_sizes(self) -> list[int]:
+        """The decode sizes capture will record ([] when it will not)."""
+        return self.capture_sizes if self.capture_enabled() else []
+
+    def make_graph_backend(self) -> CudaGraphBackend | RecordingGraphBackend | None:
+        if not self.capture_enabled():
             return None
+        if self.config.graph_backend == "recording":
+            return RecordingGraphBackend(self.workspace)
         return CudaGraphBackend(self.device)
+
+    @torch.inference_mode()
+    def run_decode_shape(self, size: int) -> torch.Tensor:
+        """One eager run of the graph-shaped decode step of `size` padding rows
+        (profile and warmup use it to size scratch and compile kernels)."""
+        self.write_decode_inputs(size, ([], [], [], [], []))
+        return self.decode_step(size)()
 
     @torch.inference_mode()
     def capture(self) -> list[int] | None:
