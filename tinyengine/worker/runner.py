@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,6 +74,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.capture_skip_reason = ""
         self._decode_ctxs: dict[int, ForwardContext] = {}
+        # The engine's StepProfiler when EngineConfig.profile_steps is on: its
+        # forward hooks bracket the launch (None: not profiling, no cost).
+        self.profiler: Any = None
 
     # --- stage work: load, KV cache ---
 
@@ -224,13 +228,18 @@ class ModelRunner:
         """Run the model on the step and sample. Returns the sampled token per
         scheduled request (None where its chunk does not reach its end) and the
         sampler output (for logprobs), in the order of `plan.scheduled`."""
-        hidden, sample_rows = self._forward(plan)
+        prof = self.profiler
+        hidden, sample_rows = self._forward(plan, prof)
         sampling = [i for i, row in enumerate(sample_rows) if row >= 0]
         if not sampling:
+            if prof is not None:
+                prof.forward_end()
             return [None] * len(sample_rows), None
         b = self.buffers
         write(b.logits_indices, [sample_rows[i] for i in sampling])
         logits = self.model.compute_logits(hidden[b.logits_indices[: len(sampling)]])
+        if prof is not None:  # the profiled "forward" includes the lm_head
+            prof.forward_end()
 
         requests = [plan.scheduled[i].request for i in sampling]
         sampled = self.sampler(
@@ -244,7 +253,7 @@ class ModelRunner:
             tokens[i] = token_id
         return tokens, sampled
 
-    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, plan: SchedulerOutput, prof: Any = None) -> tuple[torch.Tensor, list[int]]:
         """Replay a decode graph when one fits the batch, else run eagerly.
         Returns hidden states and, per scheduled request, its sampling row."""
         num_seqs = len(plan.scheduled)
@@ -252,10 +261,14 @@ class ModelRunner:
         size = self.graphs.padded_size(num_seqs) if self.graphs and is_decode else None
         if size is not None:
             self.write_decode_inputs(size, self._rows(plan))
+            if prof is not None:
+                prof.forward_start()
             hidden = self.graphs.replay(size, self.decode_step(size))
             # A one-token chunk of a prompt is decode-shaped but does not sample.
             return hidden, [i if s.samples else -1 for i, s in enumerate(plan.scheduled)]
         ctx = self.prepare_inputs(plan)
+        if prof is not None:
+            prof.forward_start()
         b, n = self.buffers, ctx.attn.num_tokens
         hidden = self.model(b.input_ids[:n], b.positions[:n], ctx)
         ends = ctx.attn.query_start_loc_cpu[1:]

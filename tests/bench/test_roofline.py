@@ -1,0 +1,98 @@
+"""The decode roofline arithmetic (tinyengine/bench/roofline.py) on examples
+worked out by hand, and the weight inventory of real tinyengine models."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models.registry import get_model_class
+from tinyengine.bench.roofline import (
+    ExpertLayer,
+    WeightInventory,
+    decode_roofline,
+    expected_distinct_experts,
+    inventory_from_model,
+    kv_bytes_per_token,
+    mean_decode_context,
+)
+
+# 1000 dense bytes, a 100-row embedding of 10 bytes per row, one MoE layer of
+# 8 experts (100 bytes each), 2 picked per token.
+INVENTORY = WeightInventory(
+    dense_bytes=1000,
+    embedding_row_bytes=10,
+    embedding_rows=100,
+    expert_layers=(ExpertLayer(nbytes=800, num_experts=8, top_k=2),),
+)
+
+
+def test_expected_distinct_experts() -> None:
+    assert expected_distinct_experts(8, 2, 1) == pytest.approx(2.0)  # one token: exactly K
+    assert expected_distinct_experts(8, 2, 2) == pytest.approx(8 * (1 - 0.75**2))  # 3.5
+    assert expected_distinct_experts(8, 2, 1000) == pytest.approx(8.0)  # saturates at E
+    assert expected_distinct_experts(8, 8, 3) == pytest.approx(8.0)  # K = E: all, always
+
+
+def test_weight_bytes_touched_by_hand() -> None:
+    # B=1: 1000 dense + 1 row (10) + 2 of 8 experts (200) = 1210
+    assert INVENTORY.bytes_touched(1) == pytest.approx(1210)
+    # B=2: 1000 + 20 + 3.5/8 * 800 (350) = 1370
+    assert INVENTORY.bytes_touched(2) == pytest.approx(1370)
+    # huge B: every embedding row at most once, every expert: 1000 + 1000 + 800
+    assert INVENTORY.bytes_touched(10_000) == pytest.approx(2800)
+    assert INVENTORY.total_bytes == 2800
+
+
+def test_decode_roofline_by_hand() -> None:
+    # P=10, O=4: decode steps attend over 11, 12, 13 tokens -> mean 12 = P + O/2
+    assert mean_decode_context(10, 4) == 12
+    roof = decode_roofline(INVENTORY, kv_bytes_per_token=40, batch=2, mean_context=12.0,
+                           bandwidth=1000.0)  # fmt: skip
+    assert roof.weight_bytes == pytest.approx(1370)
+    assert roof.kv_bytes == pytest.approx(40 * 12 * 2)  # 960
+    assert roof.total_bytes == pytest.approx(2330)
+    assert roof.step_s == pytest.approx(2.33)
+    assert roof.tokens_per_s == pytest.approx(2 / 2.33)
+    with pytest.raises(ValueError, match="bandwidth"):
+        decode_roofline(INVENTORY, 40, 1, 12.0, 0.0)
+
+
+def _tiny_llama(tied: bool) -> torch.nn.Module:
+    config = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+        "intermediate_size": 32, "vocab_size": 100, "tie_word_embeddings": tied,
+        "max_position_embeddings": 64,
+    }  # fmt: skip
+    return get_model_class(config)(config)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_inventory_of_a_llama(tied: bool) -> None:
+    # Per layer, fp32 elements: q 16x16 + k 8x16 + v 8x16 + o 16x16 = 768,
+    # gate/up 2x32x16 + down 16x32 = 1536, two norms 32 -> 2336; two layers
+    # 4672, final norm 16, lm_head 100x16 = 1600 (in full, tied or not).
+    inventory = inventory_from_model(_tiny_llama(tied))
+    assert inventory.dense_bytes == (4672 + 16 + 1600) * 4
+    assert inventory.embedding_rows == 100
+    assert inventory.embedding_row_bytes == 16 * 4
+    assert inventory.expert_layers == ()
+    assert inventory.bytes_touched(3) == (4672 + 16 + 1600 + 3 * 16) * 4
+
+
+def test_inventory_and_kv_of_a_deepseek() -> None:
+    from tinyengine.tools.make_proxy import preset_config
+
+    config = preset_config("deepseek-v3-tiny")
+    model = get_model_class(config)(config)
+    inventory = inventory_from_model(model, config)
+    # One MoE layer: 8 experts of w13 [64, 64] + w2 [64, 32] fp32 elements.
+    assert inventory.expert_layers == (ExpertLayer(8 * (64 * 64 + 64 * 32) * 4, 8, 2),)
+    every_param = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert inventory.total_bytes == every_param  # untied: each parameter counted once
+    # The MLA latent cache: (kv_lora_rank 32 + rope 8) per token and layer, 2 layers.
+    runner = SimpleNamespace(model=model, kv_caches=[], dtype=torch.bfloat16)
+    assert kv_bytes_per_token(runner) == (32 + 8) * 2 * 2

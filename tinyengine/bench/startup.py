@@ -1,0 +1,89 @@
+"""Cold-start benchmark: `python -m tinyengine.bench startup`.
+
+Builds the engine once (`LLM(model, ...)`, which runs the startup state
+machine to READY: load, profile, size KV, warmup, capture, lock) and prints
+the machine's own report (`StartupReport.table()`: seconds, memory and
+workspace per stage, KV blocks, captured graph sizes), then the wall time of
+the whole `LLM(...)` call (the stages plus config, tokenizer and runner
+setup) and the KV cache size. `--json` writes `StartupReport.as_dict()` plus
+those totals.
+
+`--compare hf` first times HF transformers from nothing to a model on the
+device that has run one small generate (hf_compare.HFRunner), and prints the
+ratio of the two wall times. Either way the model folder is built (presets)
+before any clock starts, and the first engine in a process pays torch's and
+Triton's import and CUDA context costs, as a real cold start does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from tinyengine.bench import common
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_common_arguments(parser, __doc__)
+
+
+def run(args: argparse.Namespace) -> int:
+    return common.run_guarded(_run, args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    folder = common.resolve_model_folder(args.model)
+    kwargs = common.engine_kwargs(args)
+    result: dict[str, Any] = {
+        "benchmark": "startup",
+        "model": args.model,
+        "folder": folder,
+        "engine_options": kwargs,
+    }
+    if args.compare == "hf":
+        from tinyengine.bench.hf_compare import hf_startup
+
+        engine = common.resolve_engine(folder, kwargs)
+        result["hf"] = hf_startup(folder, engine.dtype, engine.device)
+
+    from tinyengine.engine import LLM
+
+    start = time.perf_counter()
+    llm = LLM(folder, **kwargs)
+    common.sync(llm.engine.runner.device.type)
+    wall = time.perf_counter() - start
+    report = llm.startup_report()
+    runner = llm.engine.runner
+    result.update(
+        device=runner.device.type,
+        dtype=str(runner.dtype).replace("torch.", ""),
+        wall_s=wall,
+        stages_s=sum(s.seconds for s in report.stages),
+        kv_cache_bytes=report.num_kv_blocks * runner.kv_bytes_per_block(),
+        report=report.as_dict(),
+    )
+    if "hf" in result:
+        from tinyengine.bench.hf_compare import ratio
+
+        result["time_ratio_vs_hf"] = ratio(wall, result["hf"]["load_s"])
+
+    print(f"{' Startup report ':=^56}")
+    print(report.table())
+    rows: list[tuple[str, Any]] = [
+        ("Model:", result["model"]),
+        ("Device / dtype:", f"{result['device']} / {result['dtype']}"),
+        ("Stages total (s):", result["stages_s"]),
+        ("LLM(...) wall time (s):", wall),
+        ("KV blocks:", report.num_kv_blocks),
+        ("KV cache (GiB):", result["kv_cache_bytes"] / 2**30),
+        ("Graphs captured:", len(report.captured_sizes)),
+    ]
+    if "hf" in result:
+        rows += [
+            ("HF from_pretrained + first generate (s):", result["hf"]["load_s"]),
+            ("tinyengine / HF (startup time):", result["time_ratio_vs_hf"]),
+        ]
+    print(common.format_rows("Startup", rows) + "\n" + "=" * 56)
+    common.write_json(args.json, result)
+    return 0
