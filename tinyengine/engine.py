@@ -8,6 +8,7 @@ One step reads top-down in `LLMEngine.step`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -24,7 +25,7 @@ from models.loader import load_hf_config
 from tinyengine.config import EngineConfig
 from tinyengine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyengine.outputs import CompletionOutput, Logprob, RequestOutput
-from tinyengine.sampling_params import SamplingParams
+from tinyengine.sampling_params import RequestOutputKind, SamplingParams
 from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request, RequestStatus
 from tinyengine.scheduling.scheduler import Scheduler
@@ -46,6 +47,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
+    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: one output, when finished
 
 
 class LLMEngine:
@@ -174,10 +176,13 @@ class LLMEngine:
         max_tokens = min(params.max_tokens or room, room)
         request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids)
         self.scheduler.add_request(request)  # validates; raises before we keep any state
+        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         detok = None
-        if self.tokenizer is not None:
+        # Stop strings are matched on text as it grows, so only they need the
+        # incremental detokenizer when nobody streams this request's output.
+        if self.tokenizer is not None and (params.stop or not final_only):
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        state = _RequestState(request, text, detok)
+        state = _RequestState(request, text, detok, final_only=final_only)
         if params.logprobs is not None:
             state.logprobs = []
         self.states[request_id] = state
@@ -245,6 +250,8 @@ class LLMEngine:
                 state.logprobs.append(self._logprobs(sampled.logprobs[row]))
             row += 1
             self._process_token(state, token_id)
+            if state.final_only and not state.request.is_finished:
+                continue  # nobody reads the intermediate outputs of this request
             outputs.append(self._make_output(state))
         if prof is not None:
             prof.end(plan, synced=sampled is not None)  # a step that sampled has synced
@@ -267,6 +274,12 @@ class LLMEngine:
                     state.text = state.text[:keep]
                     request.stop_reason = stop
                     status = RequestStatus.FINISHED_STOPPED
+        elif status is not None and self.tokenizer is not None:
+            # FINAL_ONLY without stop strings: one decode at the end gives the
+            # text the incremental detokenizer would have built token by token.
+            state.text = self.tokenizer.decode(
+                request.output_token_ids, request.sampling_params.skip_special_tokens
+            )
         if status is not None:
             self.scheduler.finish(request, status)
             self.runner.free_request(request.request_id)
@@ -366,6 +379,9 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
+                # Only finished outputs are returned, so ask for nothing else
+                # (on a copy: the caller's params stay as given).
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(engine.add_request(prompt, params))
         except Exception:
             for request_id in ids:  # all or nothing: no half-submitted batch left behind

@@ -7,10 +7,25 @@ naming the field). Must never import torch: the scheduler reads these too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 # vLLM caps the number of logprobs a request may ask for; we do the same so a
 # request cannot make the sampler sort the whole vocabulary every step.
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(Enum):
+    """Which outputs `LLMEngine.step` returns for a request (vLLM's names).
+
+    CUMULATIVE: one per new token, with all text and tokens so far (the
+    default; streaming reads it). FINAL_ONLY: only the finished output, which is
+    all `LLM.generate` needs; the engine then skips building an output per
+    token and, without stop strings, decodes the text once at the end instead
+    of incrementally (the same string: see the detokenizer's invariant).
+    """
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -37,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +88,8 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

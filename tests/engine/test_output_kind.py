@@ -1,0 +1,66 @@
+"""RequestOutputKind: FINAL_ONLY requests (what LLM.generate submits) give one
+output, when finished, with the same text and tokens as CUMULATIVE streaming
+(whose text is built incrementally); stop strings still cut FINAL_ONLY text."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tinyengine import LLM, SamplingParams
+from tinyengine.sampling_params import RequestOutputKind
+from tinyengine.tools.make_proxy import ensure_preset
+
+PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3,", "你好，世界"]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    path = ensure_preset("deepseek-v3-tiny", str(tmp_path_factory.mktemp("cache")))
+    return LLM(path, dtype="float32", max_model_len=128, print_startup_report=False)
+
+
+def _run(llm: LLM, params: SamplingParams) -> dict[str, list]:
+    """Drive the engine directly; every output it returns, per request."""
+    engine, seen = llm.engine, {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, dataclasses.replace(params, seed=i), request_id=str(i))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return seen
+
+
+@pytest.mark.parametrize("stop", [None, ["e"]])
+def test_final_only_matches_cumulative(llm, stop):
+    base = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, stop=stop)
+    cumulative = _run(llm, base)
+    final = _run(llm, dataclasses.replace(base, output_kind=RequestOutputKind.FINAL_ONLY))
+    assert sorted(final) == sorted(cumulative) == [str(i) for i in range(len(PROMPTS))]
+    for rid, outs in final.items():
+        assert len(outs) == 1 and outs[0].finished  # nothing before the end
+        want = cumulative[rid][-1].outputs[0]
+        got = outs[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text,
+            want.token_ids,
+            want.finish_reason,
+            want.stop_reason,
+        )
+        if stop is None:
+            assert len(got.token_ids) == 12
+            assert got.text == llm.get_tokenizer().decode(got.token_ids)
+            assert len(cumulative[rid]) == 12  # one cumulative output per token
+
+
+def test_generate_leaves_callers_params_alone(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    (out,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert out.finished and len(out.outputs[0].token_ids) <= 4
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_output_kind_is_validated():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final_only")
