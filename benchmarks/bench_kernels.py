@@ -225,9 +225,9 @@ def sweep() -> None:
                              num_splits=s, block_n=bn, num_warps=nw, num_stages=ns)  # fmt: skip
                 label = f"decode B={batch} ctx={ctx} S={s} bn={bn} w={nw} st={ns}"
                 _try(label, fn, p.kv_bytes, "TB/s", graph=True)
-    configs = [(256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 4, 3), (128, 64, 4, 4),
-               (128, 128, 8, 3)]  # fmt: skip
-    for tokens, hkv in [(8192, 32), (8192, 8)]:
+    configs = [(256, 64, 8, 2), (256, 64, 8, 3), (256, 64, 8, 4), (256, 32, 8, 3),
+               (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]  # fmt: skip
+    for tokens, hkv in [(8192, 32), (8192, 8), (2048, 32)]:
         p = Problem(1, tokens, tokens, 32, hkv, 128)
         flops = 2 * tokens * tokens * 32 * 128
         for bm, bn, nw, ns in configs:

@@ -68,7 +68,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, OFFS_32: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [n_start, n_start + BLOCK_N).
 
@@ -83,9 +83,11 @@ def _attend_tile(
     offs_dv = tl.arange(0, BLOCK_DV)
     in_seq = pos < seq_len
     if MASKED:
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_seq, other=0)
     else:
-        blk = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+        blk = tl.load(bt_row + pos // BLOCK_SIZE)
+    if not OFFS_32:  # caches past 2^31 elements need 64-bit offsets
+        blk = blk.to(tl.int64)
     off = pos % BLOCK_SIZE
     # K^T tile [BLOCK_DK, BLOCK_N]: column j is key pos[j], rows are head dims.
     k_ptrs = k_base + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_dk[:, None]
@@ -97,14 +99,16 @@ def _attend_tile(
     if UPCAST:
         k = k.to(tl.float32)
 
-    s = tl.dot(q, k) * qk_scale  # [M, BLOCK_N] scores in log2 units
+    s = tl.dot(q, k)  # [M, BLOCK_N] raw scores; times qk_scale they are log2 units
     if MASKED:
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
     # Every row has already seen key 0 (or sees it in this tile), so m_new is
-    # finite and no row computes exp2(-inf - -inf).
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # finite and no row computes exp2(-inf - -inf). qk_scale > 0, so scaling
+    # the row max equals the max of the scaled row, and the scale rides in the
+    # exponent's FMA instead of a separate multiply over the whole tile.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
     if MASKED or HEAD_DIM_V != BLOCK_DV:
@@ -144,7 +148,7 @@ def _prefill_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, OFFS_32: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_tiles * num_kv_heads,). A program owns BLOCK_Q query tokens of
     one sequence times the GROUP query heads sharing one KV head: tile row r is
@@ -195,13 +199,13 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST, OFFS_32,
         )  # fmt: skip
     for n in range(n_full, kv_end, BLOCK_N):  # the diagonal band: causal mask
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, True, UPCAST,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, True, UPCAST, OFFS_32,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -220,6 +224,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+    OFFS_32: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). One program: the GROUP query
     heads of one KV head (rows of a [BLOCK_G, D] tile, so each K/V tile is
@@ -276,13 +281,13 @@ def _decode_split_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST, OFFS_32,
         )  # fmt: skip
     for n in range(n_full, end, BLOCK_N):  # at most one partial tile
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, True, UPCAST,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, True, UPCAST, OFFS_32,
         )  # fmt: skip
 
     # l_i == 0 only for an empty context (a padding sequence): output zeros.
@@ -351,6 +356,19 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     return num_q_heads // num_kv_heads
 
 
+def _max_offset(t: torch.Tensor) -> int:
+    """The largest element offset from t's data pointer: not numel() - 1 for a
+    strided view (K and V share rows of one allocation, so each spans ~2x)."""
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def _offsets_fit_32(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether every element offset into the caches fits int32 (cheaper address
+    math in the inner loop). Fixed once the KV cache is allocated, so warmup
+    compiles the variant that serving uses."""
+    return max(_max_offset(k_cache), _max_offset(v_cache)) < 2**31
+
+
 def _common_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     block_tables: torch.Tensor,
@@ -377,7 +395,7 @@ def prefill_config(head_dim_k: int, max_query_len: int, group: int) -> tuple[int
     if triton.next_power_of_2(head_dim_k) > 128:
         return min(rows, 64), 32, 4, 2
     if rows >= 256:
-        return rows, 64, 8, 3
+        return rows, 64, 8, 2
     return rows, 64, 4, 3
 
 
@@ -410,7 +428,8 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
         BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
-        UPCAST=_interpreting(), num_warps=num_warps, num_stages=num_stages,
+        UPCAST=_interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -466,7 +485,8 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
         BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
-        DIRECT=direct, UPCAST=_interpreting(), num_warps=num_warps, num_stages=num_stages,
+        DIRECT=direct, UPCAST=_interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

@@ -1,118 +1,223 @@
 """Triton fused mixture-of-experts: tokens grouped by expert on the device, one
-grouped-GEMM launch for gate/up with SiLU-and-mul fused, one for down (the
-routing weight applied in its epilogue), and a per-token reduction over the
-token's K expert rows.
+grouped-GEMM launch for gate/up with SiLU-and-mul fused, one for down, and a
+per-token reduction over the token's K expert rows that applies the routing
+weights.
 
 Owns the GPU implementation of `fused_moe`, whose numerical definition (and
 layout) lives in kernels/moe.py, the torch reference; the signature is the
-same, so models/moe.py never knows which backend runs.
+same, so models/moe.py never knows which backend runs. Also owns the choice
+of tiles (`moe_config`) and the token counts that compile every tile variant
+(`moe_token_classes`, for the engine's warmup).
 
 Must never (each one breaks CUDA-graph capture or replay):
   - read a device tensor on the host: no per-expert counts on the host, no
     .item()/.tolist(); grids are sized for the worst case from host ints
     (T, K, E, block sizes) and programs past the real work exit early;
   - allocate scratch outside the workspace arena when one is given: every
-    intermediate (sort results, counts, offsets, activations) is a workspace
-    view whose size depends only on T, K, E, I, D and the block sizes.
+    intermediate (sort results, counts, activations, the sorted copy of x
+    for TMA) is a workspace view whose size depends only on T, K, E, I, D
+    and the (host-chosen) tiles;
+  - pick a tile from anything but host ints, or have more than a few size
+    classes: each class is a compiled variant, and every variant must be
+    compiled by the engine's warmup, before graph capture.
   - It does not check that topk_ids < E (that would need a host read); ids
     out of range are the router's bug and read out of bounds.
 
 Grouping (the device-side equivalent of vLLM's moe_align_block_size). The
 M = T*K (token, slot) pairs are "pairs" p = t*K + k with expert topk_ids[t, k].
     order      = stable argsort of the expert ids  (pairs grouped by expert)
-    counts[e]  = pairs routed to e;  seg_end = cumsum(counts)
+    counts[e]  = pairs routed to e                 (a histogram kernel)
+Each GEMM program derives the rest from the E counts it loads (one vector
+load, scans and sums in registers; no binary search of dependent loads):
     nblk[e]    = cdiv(counts[e], BLOCK_M);  blk_end = cumsum(nblk)
-M-block b belongs to the expert e with blk_end[e-1] <= b < blk_end[e] (found by
-binary search in the kernel) and covers sorted rows
-seg_end[e] - counts[e] + (b - blk_end[e] + nblk[e]) * BLOCK_M + [0, BLOCK_M),
-masked to the expert's segment: each expert's rows are padded to whole blocks
-without materializing the padding. The grid's M dimension is the worst case
-sum_e cdiv(c_e, BLOCK_M) <= (M + min(E, M) * (BLOCK_M - 1)) // BLOCK_M; blocks
-past blk_end[E-1] exit.
+M-block b belongs to the expert e with blk_end[e-1] <= b < blk_end[e] and
+covers sorted rows seg_start[e] + (b - blk_end[e] + nblk[e]) * BLOCK_M +
+[0, BLOCK_M), masked to the expert's segment: each expert's rows are padded
+to whole blocks without materializing the padding, and the two GEMMs may use
+different BLOCK_M. The worst case over any routing is sum_e cdiv(c_e, BLOCK_M)
+<= (M + min(E, M) * (BLOCK_M - 1)) // BLOCK_M M-blocks (`max_m_blocks`);
+blocks past blk_end[E-1] exit.
+
+Program order. A GEMM's grid is 1-D over (M-block, N-block) tiles. With
+group_m = G, runs of G consecutive M-blocks sweep all N-blocks together
+(M-block fastest inside a run): the G blocks' activation rows stay in L2
+across the N sweep, and an expert's consecutive M-blocks read each weight
+tile at nearly the same time (one HBM read, the rest L2 hits). group_m = 0
+means one run of all M-blocks (M-block fastest), the order of a plain 2-D
+grid, which suits decode (one block per expert, weights read once anyway).
+
+Inner loops carry no masks in the common case: padded rows of a block read
+row 0 (pair 0 / sorted row 0, always valid memory) and are dropped at the
+store; N tails wrap (n % N) instead of masking; only a K that is not a
+multiple of BLOCK_K masks its loads.
+
+Loads: pointers (cp.async) or TMA, per GEMM (the config's "tma"; TMA_MODES).
+TMA_W loads the weight tiles through a tensor descriptor built on the host
+over w viewed as [E*N, K] (block [BLOCK_N, BLOCK_K] at row e*N + n0); TMA_AW
+also the activation tiles, which must then be contiguous row blocks: down's
+A (act) is stored in sorted-row order already; gate_up's A rows are gathered
+tokens, so _gather_kernel first copies x into sorted order (xs [M, D], a
+workspace view, weights' dtype). A block's A tile then starts at its first
+sorted row: rows past its expert's segment are the next expert's (dropped at
+the store) or, past M, TMA's zero fill; K tails are zero-filled too, so TMA
+loads never mask. Descriptors hold only fixed addresses and host ints, so a
+CUDA graph records them by value (no device reads, no allocation). Where a
+tensor's alignment or layout rules TMA out (16-byte base and row stride,
+w's experts contiguous) that operand silently uses pointers. The Triton
+interpreter runs descriptor loads itself, so CPU tests cover the TMA path.
 
 Numerics: dots take the weights' dtype on the GPU (bf16 tensor cores) with fp32
 accumulation; the SwiGLU activation is stored in the weights' dtype (as the
-reference's bf16 matmul chain rounds it); the down projection times the routing
-weight stays fp32 until the per-token sum. Under TRITON_INTERPRET=1 tiles are
-upcast to fp32 right after tl.load (the interpreter's bf16 math is wrong).
+reference's bf16 matmul chain rounds it); the down projection is rounded to
+the weights' dtype (the reference's F.linear output) and stored so, and the
+reduction multiplies it by the fp32 routing weight and sums the K rows in
+fp32. Under TRITON_INTERPRET=1 tiles are upcast to fp32 right after tl.load
+(the interpreter's bf16 math is wrong).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.triton_attention import _interpreting
 
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
-def _find_expert(b, blk_end_ptr, NUM_EXPERTS: tl.constexpr):
-    """Smallest e with blk_end[e] > b (NUM_EXPERTS when b is past all blocks):
-    a binary search over the inclusive cumsum of per-expert block counts."""
-    lo = b * 0  # a tensor from the start: loop-carried values keep one type
-    hi = lo + NUM_EXPERTS
-    while lo < hi:
-        mid = (lo + hi) // 2
-        go_right = tl.load(blk_end_ptr + mid) <= b
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    return lo
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, stride_ids, NUM_EXPERTS: tl.constexpr,
+                  E_POW2: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Grid (cdiv(M, BLOCK),). counts[e] += pairs of this chunk routed to e;
+    counts starts zeroed. Integer atomics: the result is deterministic."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    ids = tl.load(ids_ptr + offs * stride_ids, mask=ok, other=0).to(tl.int32)
+    hist = tl.histogram(ids, E_POW2, mask=ok)
+    e = tl.arange(0, E_POW2)
+    tl.atomic_add(counts_ptr + e, hist, mask=e < NUM_EXPERTS)
 
 
 @triton.jit
-def _block_rows(b, counts_ptr, seg_end_ptr, blk_end_ptr, NUM_EXPERTS: tl.constexpr,
+def _program_tile(NUM_N_BLOCKS: tl.constexpr, group_m):
+    """(M-block, N-block) of this program; see "Program order" above."""
+    pid = tl.program_id(0)
+    num_m_blocks = tl.num_programs(0) // NUM_N_BLOCKS
+    per_group = group_m * NUM_N_BLOCKS
+    first_m = (pid // per_group) * group_m
+    group_rows = tl.minimum(num_m_blocks - first_m, group_m)
+    local = pid % per_group
+    return first_m + local % group_rows, local // group_rows
+
+
+@triton.jit
+def _block_rows(b, counts_ptr, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
                 BLOCK_M: tl.constexpr):  # fmt: skip
-    """(expert, sorted-row indices [BLOCK_M], row mask) of M-block b; see the
-    module docstring. expert == NUM_EXPERTS means "no work"."""
-    expert = _find_expert(b, blk_end_ptr, NUM_EXPERTS)
-    e = tl.minimum(expert, NUM_EXPERTS - 1)  # keep the loads in bounds; caller exits
-    count = tl.load(counts_ptr + e)
-    first_blk = tl.load(blk_end_ptr + e) - tl.cdiv(count, BLOCK_M)
-    in_seg = (b - first_blk) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(seg_end_ptr + e) - count + in_seg
-    return expert, rows, in_seg < count
+    """(expert, first sorted row, row mask [BLOCK_M]) of M-block b, whose
+    sorted rows are first + [0, BLOCK_M); see the module docstring. expert >=
+    NUM_EXPERTS means "no work"."""
+    e_idx = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + e_idx, mask=e_idx < NUM_EXPERTS, other=0)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    blk_end = tl.cumsum(nblk, 0)
+    # blk_end is non-decreasing: the lanes with blk_end <= b are exactly the
+    # experts before b's (all E_POW2 lanes once b is past the last block).
+    expert = tl.sum((blk_end <= b).to(tl.int32), 0)
+    before = e_idx < expert
+    seg_start = tl.sum(tl.where(before, counts, 0), 0)
+    first_blk = tl.sum(tl.where(before, nblk, 0), 0)
+    count = tl.sum(tl.where(e_idx == expert, counts, 0), 0)
+    first_in_seg = (b - first_blk) * BLOCK_M
+    in_seg = first_in_seg + tl.arange(0, BLOCK_M)
+    return expert, seg_start + first_in_seg, in_seg < count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gather_kernel(x_ptr, order_ptr, xs_ptr, num_pairs, stride_xt, stride_xs,
+                   TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_D: tl.constexpr):  # fmt: skip
+    """Grid (cdiv(M, BLOCK_R), cdiv(D, BLOCK_D)). xs[r] = x[order[r] // K] cast
+    to xs's dtype: the activations in sorted-row order, so that gate_up's A
+    tiles are contiguous row blocks (TMA-loadable)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_pairs
+    token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (cols < HIDDEN)[None, :]
+    v = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_xt + cols[None, :], mask=ok)
+    tl.store(xs_ptr + rows.to(tl.int64)[:, None] * stride_xs + cols[None, :],
+             v.to(xs_ptr.dtype.element_ty), mask=ok)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["group_m"])
 def _gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, order_ptr, counts_ptr, seg_end_ptr, blk_end_ptr,
-    stride_xt, stride_we, stride_wn, stride_wk, stride_am,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    x_ptr, w13, act_ptr, order_ptr, counts_ptr,
+    stride_xt, stride_we, stride_wn, stride_am, group_m,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    TMA_A: tl.constexpr, TMA_W: tl.constexpr,
 ):  # fmt: skip
-    """Grid (max M-blocks, cdiv(I, BLOCK_N)). act[row, n] = silu(x_t . gate_n) *
+    """Grid (max M-blocks * cdiv(I, BLOCK_N),). act[row, n] = silu(x_t . gate_n) *
     (x_t . up_n) for the sorted rows of one expert's M-block; row r holds pair
-    order[r], token order[r] // K. act rows are in sorted order."""
-    expert, rows, row_ok = _block_rows(
-        tl.program_id(0), counts_ptr, seg_end_ptr, blk_end_ptr, NUM_EXPERTS, BLOCK_M
-    )
+    order[r], token order[r] // K. act rows are in sorted order. w13's last
+    dim is contiguous (checked on the host).
+
+    TMA_W: w13 is a tensor descriptor over w13 viewed as [E*2I, D], block
+    [BLOCK_N, BLOCK_K] (else a pointer). TMA_A: x_ptr is a descriptor over the
+    sorted copy xs [M, D] (_gather_kernel), block [BLOCK_M, BLOCK_K]; the
+    block's rows past its expert's segment read the next expert's rows (or
+    zeros past M) and are dropped at the store; the strides are then unused."""
+    pid_m, pid_n = _program_tile(tl.cdiv(INTER, BLOCK_N), group_m)
+    expert, row0, row_ok = _block_rows(pid_m, counts_ptr, NUM_EXPERTS, E_POW2, BLOCK_M)
     if expert >= NUM_EXPERTS:
         return
-    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-    token = pair // TOP_K
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < INTER
+    rows = row0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_xt
-    # w13[e] is [2I, D]: gate rows [0, I), up rows [I, 2I). The tile is read
+    if not TMA_A:
+        # Padded rows read pair 0 (token 0): valid memory, never stored.
+        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+        token = pair // TOP_K
+        x_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+    # w13[e] is [2I, D]: gate rows [0, I), up rows [I, 2I). The tile is used
     # transposed ([BLOCK_K, BLOCK_N]) so x [BLOCK_M, BLOCK_K] @ w needs no trans.
-    w_base = w13_ptr + expert.to(tl.int64) * stride_we
-    g_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
-    u_cols = w_base + (offs_n[None, :] + INTER).to(tl.int64) * stride_wn
+    if TMA_W:
+        # N tails read past the gate half (or the expert): dropped at the store.
+        w_row = expert * (2 * INTER) + pid_n * BLOCK_N
+    else:
+        if INTER % BLOCK_N == 0:
+            offs_wn = offs_n
+        else:
+            offs_wn = offs_n % INTER  # a wrapped tail: in bounds, dropped at the store
+        g_ptrs = (w13 + expert.to(tl.int64) * stride_we
+                  + offs_wn.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])  # fmt: skip
+        u_ptrs = g_ptrs + INTER * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < HIDDEN
-        xt = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(g_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        wu = tl.load(u_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        # TMA zero-fills a K tail past D; pointer loads mask it.
+        if TMA_A:
+            xt = x_ptr.load([row0, k0])
+        elif HIDDEN % BLOCK_K == 0:
+            xt = tl.load(x_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=(offs_k < HIDDEN - k0)[None, :], other=0.0)
+        if TMA_W:
+            wg = w13.load([w_row, k0]).T
+            wu = w13.load([w_row + INTER, k0]).T
+        elif HIDDEN % BLOCK_K == 0:
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < HIDDEN - k0
+            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
             wg = wg.to(tl.float32)
@@ -121,83 +226,357 @@ def _gate_up_kernel(
             xt = xt.to(wg.dtype)  # the reference's matmuls run in the weights' dtype
         acc_g = tl.dot(xt, wg, acc_g)
         acc_u = tl.dot(xt, wu, acc_u)
+        if not TMA_A:
+            x_ptrs += BLOCK_K
+        if not TMA_W:
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     # Round gate/up to the weights' dtype first, like the reference's bf16 F.linear.
     gate = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
     up = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
-    tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_n < INTER)[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group_m"])
 def _down_kernel(
-    act_ptr, w2_ptr, y_ptr, topk_weights_ptr, order_ptr, counts_ptr, seg_end_ptr, blk_end_ptr,
-    stride_am, stride_we, stride_wn, stride_wk, stride_ym, stride_tw_t, stride_tw_k,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    act, w2, y_ptr, order_ptr, counts_ptr,
+    stride_am, stride_we, stride_wn, stride_ym, group_m,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    TMA_A: tl.constexpr, TMA_W: tl.constexpr,
 ):  # fmt: skip
-    """Grid (max M-blocks, cdiv(D, BLOCK_N)). y[pair, n] = w_pair * (act_row . w2[e, n])
-    in fp32, written at the pair's *unsorted* index t*K + k so the per-token sum
-    reads K consecutive rows (deterministic; no atomics)."""
-    expert, rows, row_ok = _block_rows(
-        tl.program_id(0), counts_ptr, seg_end_ptr, blk_end_ptr, NUM_EXPERTS, BLOCK_M
-    )
+    """Grid (max M-blocks * cdiv(D, BLOCK_N),). y[pair, n] = act_row . w2[e, n],
+    rounded to y's dtype and written at the pair's *unsorted* index t*K + k so
+    the per-token sum reads K consecutive rows (deterministic; no atomics).
+
+    TMA_A: act is a tensor descriptor over act [M, I], block [BLOCK_M,
+    BLOCK_K] (rows past the segment: the next expert's rows or zeros past M,
+    dropped at the store); TMA_W: w2 is one over w2 viewed as [E*D, I], block
+    [BLOCK_N, BLOCK_K]. Otherwise pointers."""
+    pid_m, pid_n = _program_tile(tl.cdiv(HIDDEN, BLOCK_N), group_m)
+    expert, row0, row_ok = _block_rows(pid_m, counts_ptr, NUM_EXPERTS, E_POW2, BLOCK_M)
     if expert >= NUM_EXPERTS:
         return
+    rows = row0 + tl.arange(0, BLOCK_M)
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < HIDDEN
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = act_ptr + rows.to(tl.int64)[:, None] * stride_am
-    w_cols = w2_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    if not TMA_A:
+        # Padded rows read sorted row 0 (the last expert's would run past M).
+        a_rows = tl.where(row_ok, rows, 0)
+        a_ptrs = act + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    if TMA_W:
+        w_row = expert * HIDDEN + pid_n * BLOCK_N  # N tails: the next expert's rows, dropped
+    else:
+        if HIDDEN % BLOCK_N == 0:
+            offs_wn = offs_n
+        else:
+            offs_wn = offs_n % HIDDEN
+        w_ptrs = (w2 + expert.to(tl.int64) * stride_we
+                  + offs_wn.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < INTER
-        a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if TMA_A:
+            a = act.load([row0, k0])
+        elif INTER % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_k < INTER - k0)[None, :], other=0.0)
+        if TMA_W:
+            w = w2.load([w_row, k0]).T
+        elif INTER % BLOCK_K == 0:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(offs_k < INTER - k0)[:, None], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc)
-    # Round to the weights' dtype like the reference's F.linear output, then
-    # scale by the fp32 routing weight.
-    acc = acc.to(w2_ptr.dtype.element_ty).to(tl.float32)
-    # topk_weights [T, K] may be a strided view: index it by (t, k) = divmod(pair, K).
-    w_ptrs = topk_weights_ptr + (pair // TOP_K) * stride_tw_t + (pair % TOP_K) * stride_tw_k
-    weight = tl.load(w_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+        if not TMA_A:
+            a_ptrs += BLOCK_K
+        if not TMA_W:
+            w_ptrs += BLOCK_K
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc * weight[:, None], mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_n < HIDDEN)[None, :])  # fmt: skip
 
 
 @triton.jit
 def _sum_topk_kernel(
-    y_ptr, out_ptr, stride_ym, stride_ot,
+    y_ptr, topk_weights_ptr, out_ptr, stride_ym, stride_tw_t, stride_tw_k, stride_ot,
     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Grid (T, cdiv(D, BLOCK_D)). out[t] = sum_k y[t*K + k] in fp32, cast once."""
+    """Grid (T, cdiv(D, BLOCK_D)). out[t] = sum_k w[t, k] * y[t*K + k] in fp32,
+    cast once. topk_weights [T, K] may be a strided view."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < HIDDEN
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + k).to(tl.int64) * stride_ym + offs, mask=ok, other=0.0)
+        weight = tl.load(topk_weights_ptr + t * stride_tw_t + k * stride_tw_k).to(tl.float32)
+        y = tl.load(y_ptr + (t * TOP_K + k).to(tl.int64) * stride_ym + offs, mask=ok, other=0.0)
+        acc += y.to(tl.float32) * weight
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# ----------------------------------------------------------------------------- launcher
+# ----------------------------------------------------------------------------- tiles
+
+GEMMS = ("gate_up", "down")
+_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "tma")
+# "tma": how a GEMM loads its operands (Hopper's tensor memory accelerator,
+# through host-built tensor descriptors, vs pointer loads / cp.async):
+TMA_OFF = 0  # both operands through pointers
+TMA_W = 1  # the weight tiles through a descriptor, the activations through pointers
+TMA_AW = 2  # both through descriptors; gate_up first copies x into sorted-row
+#             order (a workspace buffer [M, D], _gather_kernel) so its A tiles
+#             are contiguous row blocks; down's A (act) already is.
+TMA_MODES = (TMA_OFF, TMA_W, TMA_AW)
 
 
-def moe_block_m(num_pairs: int, num_experts: int) -> int:
-    """BLOCK_M from host ints: ~the mean rows per expert, 16 (tl.dot's minimum)
-    to 64. Decode batches (few rows per expert) waste less padding at 16."""
-    return max(16, min(64, triton.next_power_of_2(max(1, num_pairs // num_experts))))
+def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
+          tma: int = TMA_OFF) -> dict[str, int]:  # fmt: skip
+    return dict(zip(_FIELDS, (bm, bn, bk, warps, stages, group_m, tma), strict=True))
+
+
+# Size classes by the mean rows per expert, M / E (M = T*K pairs): class c
+# starts at M >= CLASS_ROWS[c - 1] * E. DeepSeek-V3 (E=256, K=8): class 0 is
+# T < 512 (decode and small prefill: weight-bandwidth bound, 16-row blocks,
+# each expert's weights read once), class 1 is 512 <= T < 2048, class 2 is
+# T >= 2048 (compute matters: 128-row tiles, grouped program order).
+# gate_up holds two accumulators (gate and up), so its BLOCK_N is half the
+# effective tile width. The tiles and group_m are the H200 sweep's picks
+# (benchmarks/sweep_moe.py, DeepSeek-V3 dims): T=1 3.65 TB/s and T=16 4.43
+# TB/s of touched weights. Class 2 loads both operands by TMA (tma=2; the
+# second H200 sweep: gate_up 5148 us vs 5540 with pointers, down 2639 vs
+# 2967 at T=4096): the whole op reaches 358 TFLOP/s at T=4096 and 438 at
+# T=8192 (grouping + reduction ~2%).
+CLASS_ROWS = (16, 64)
+CLASS_CONFIGS: tuple[dict[str, dict[str, int]], ...] = (
+    {"gate_up": _gemm(16, 128, 128, 4, 3, 0), "down": _gemm(16, 128, 128, 4, 4, 0)},
+    {"gate_up": _gemm(32, 64, 64, 4, 4, 1), "down": _gemm(32, 128, 64, 4, 3, 1)},
+    {"gate_up": _gemm(128, 128, 64, 8, 4, 8, tma=2), "down": _gemm(128, 256, 64, 8, 4, 16, tma=2)},
+)
+
+
+def moe_size_class(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """0, 1 or 2: which CLASS_CONFIGS entry serves T tokens."""
+    pairs = num_tokens * top_k
+    return sum(pairs >= rows * num_experts for rows in CLASS_ROWS)
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int,
+               inter: int) -> dict[str, dict[str, int]]:  # fmt: skip
+    """Tiles for both GEMMs, from host ints only: {"gate_up": {...}, "down":
+    {...}}, each with block_m/n/k, num_warps, num_stages, group_m, tma. The class's
+    tiles, with BLOCK_N and BLOCK_K cut to the (power-of-two-rounded) matrix
+    sizes for small models; for a given model that is still one variant per
+    class, so at most len(CLASS_CONFIGS) compiled variants per kernel."""
+    cls = CLASS_CONFIGS[moe_size_class(num_tokens, top_k, num_experts)]
+    sizes = {"gate_up": (inter, hidden), "down": (hidden, inter)}  # (N, K)
+    out = {}
+    for gemm in GEMMS:
+        n, k = sizes[gemm]
+        c = dict(cls[gemm])
+        c["block_n"] = min(c["block_n"], max(16, triton.next_power_of_2(n)))
+        c["block_k"] = min(c["block_k"], max(16, triton.next_power_of_2(k)))
+        out[gemm] = c
+    return out
+
+
+def moe_token_classes(max_num_tokens: int, top_k: int, num_experts: int) -> list[int]:
+    """One token count per size class reachable with at most max_num_tokens
+    tokens (the smallest of each class), for the engine's warmup: running
+    fused_moe once at each compiles every variant a later step can pick."""
+    firsts = [1] + [-(-rows * num_experts // top_k) for rows in CLASS_ROWS]
+    return sorted({t for t in firsts if t <= max_num_tokens})
+
+
+def _resolve(base: dict[str, dict[str, int]], override: dict[str, Any] | None) -> dict:
+    """base with override's fields laid over it (override may name one GEMM
+    and only some fields); unknown names raise."""
+    out = {gemm: dict(base[gemm]) for gemm in GEMMS}
+    for gemm, fields in (override or {}).items():
+        if gemm not in out:
+            raise ValueError(f"fused_moe config: unknown GEMM {gemm!r}; use {list(GEMMS)}")
+        unknown = set(fields) - set(_FIELDS)
+        if unknown:
+            raise ValueError(f"fused_moe config[{gemm!r}]: unknown fields {sorted(unknown)}")
+        out[gemm].update(fields)
+    for gemm, c in out.items():
+        if c["tma"] not in TMA_MODES:
+            raise ValueError(f"fused_moe config[{gemm!r}]['tma']={c['tma']!r}: one of {TMA_MODES}")
+        for name in ("block_m", "block_n", "block_k"):
+            v = c[name]
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"fused_moe config[{gemm!r}][{name!r}]={v}: "
+                                 "a power of two >= 16 (tl.dot's minimum)")  # fmt: skip
+    return out
 
 
 def max_m_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound on sum_e cdiv(count_e, block_m) over any routing: at most
     min(E, M) experts are non-empty and each wastes < block_m rows."""
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+# ----------------------------------------------------------------------------- launcher
+
+_COUNT_BLOCK = 1024  # pairs per histogram program
+
+
+@dataclass
+class _Scratch:
+    """fused_moe's intermediates (workspace views when a workspace is given)."""
+
+    sorted_ids: torch.Tensor  # [M] sort's values output (unused)
+    order: torch.Tensor  # [M] int64: pair index of each sorted row
+    counts: torch.Tensor  # [E] int32: pairs per expert
+    act: torch.Tensor  # [M, I] weights' dtype: SwiGLU activations, sorted rows
+    y: torch.Tensor  # [M, D] weights' dtype: down projections, unsorted pair rows
+    xs: torch.Tensor | None = None  # [M, D] weights' dtype: x in sorted-row order (TMA_AW)
+
+
+def _scratch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+             workspace: Any, sorted_x: bool = False) -> _Scratch:  # fmt: skip
+    """sorted_x: also the xs buffer (gate_up with tma=TMA_AW)."""
+    num_experts, two_i, hidden = w13.shape
+    num_pairs = topk_ids.numel()
+    specs = [
+        ((num_pairs,), topk_ids.dtype),
+        ((num_pairs,), torch.int64),
+        ((num_experts,), torch.int32),
+        ((num_pairs, two_i // 2), w13.dtype),
+        ((num_pairs, hidden), w2.dtype),
+    ]
+    if sorted_x:
+        specs.append(((num_pairs, hidden), w13.dtype))
+    if workspace is not None:
+        bufs = workspace.get(*specs)
+    else:
+        bufs = [torch.empty(tuple(shape), dtype=dtype, device=x.device) for shape, dtype in specs]
+    return _Scratch(*bufs)
+
+
+Launch = tuple[Any, tuple[int, ...], tuple, dict[str, Any]]  # kernel, grid, args, kwargs
+
+
+def _run(launches: list[Launch]) -> None:
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+
+
+def _tma_ok(t: torch.Tensor, rows: int, row_stride: int) -> bool:
+    """Whether a descriptor can view t as [rows, t.shape[-1]] with this row
+    stride: TMA wants a 16-byte-aligned base and row stride (the last dim is
+    contiguous, checked by fused_moe) and at most 2^31 rows."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and row_stride * size % 16 == 0 and 0 < rows < 2**31
+
+
+def _desc(t: torch.Tensor, rows: int, row_stride: int, block: list[int]) -> TensorDescriptor:
+    """A descriptor over t viewed as 2-D [rows, t.shape[-1]], row stride
+    row_stride. Built on the host from host ints and t's (fixed) address: a
+    CUDA graph records it by value with the launch."""
+    return TensorDescriptor(t, [rows, t.shape[-1]], [row_stride, 1], block)
+
+
+def _w_desc_ok(w: torch.Tensor) -> bool:
+    """w [E, N, K] viewable as [E*N, K] (rows of consecutive experts abut)."""
+    rows = w.shape[0] * w.shape[1]
+    return w.stride(0) == w.shape[1] * w.stride(1) and _tma_ok(w, rows, w.stride(1))
+
+
+def _group(topk_ids: torch.Tensor, s: _Scratch) -> None:
+    """order and counts, on the device, in place into the scratch views."""
+    flat_ids = topk_ids.reshape(-1)
+    # Stable: an expert's rows stay in token order (like the reference's sort).
+    torch.sort(flat_ids, stable=True, out=(s.sorted_ids, s.order))
+    s.counts.zero_()
+    num_experts = s.counts.shape[0]
+    _count_kernel[(triton.cdiv(flat_ids.numel(), _COUNT_BLOCK),)](
+        flat_ids, s.counts, flat_ids.numel(), flat_ids.stride(0),
+        NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts), BLOCK=_COUNT_BLOCK,
+    )  # fmt: skip
+
+
+def _grid(num_pairs: int, num_experts: int, n: int, c: dict[str, int]) -> tuple[tuple, int]:
+    """The 1-D grid (worst-case M-blocks x N-blocks) and the group_m to pass."""
+    m_blocks = max_m_blocks(num_pairs, num_experts, c["block_m"])
+    group_m = c["group_m"] if 0 < c["group_m"] < m_blocks else m_blocks
+    return (m_blocks * triton.cdiv(n, c["block_n"]),), group_m
+
+
+def _gate_up_launch(x: torch.Tensor, w13: torch.Tensor, s: _Scratch, top_k: int,
+                    c: dict[str, int]) -> list[Launch]:  # fmt: skip
+    """gate_up's launches: the gather into s.xs first where c["tma"] is
+    TMA_AW (s must then have xs), then the GEMM. A TMA mode that a tensor's
+    alignment or layout rules out falls back to pointer loads for it."""
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    num_pairs = s.order.shape[0]
+    grid, group_m = _grid(num_pairs, num_experts, inter, c)
+    launches = []
+    tma_w = c["tma"] >= TMA_W and _w_desc_ok(w13)
+    tma_a = c["tma"] >= TMA_AW and s.xs is not None and _tma_ok(s.xs, num_pairs, s.xs.stride(0))
+    if c["tma"] >= TMA_AW and s.xs is None:
+        raise ValueError("fused_moe: tma=TMA_AW for gate_up needs _scratch(..., sorted_x=True)")
+    w_arg = w13
+    if tma_w:
+        w_arg = _desc(w13, num_experts * two_i, w13.stride(1), [c["block_n"], c["block_k"]])
+    if tma_a:
+        block_d = min(1024, triton.next_power_of_2(hidden))
+        launches.append((_gather_kernel, (triton.cdiv(num_pairs, 8), triton.cdiv(hidden, block_d)),
+                         (x, s.order, s.xs, num_pairs, x.stride(0), s.xs.stride(0)),
+                         dict(TOP_K=top_k, HIDDEN=hidden, BLOCK_R=8, BLOCK_D=block_d,
+                              num_warps=4)))  # fmt: skip
+        x_arg = _desc(s.xs, num_pairs, s.xs.stride(0), [c["block_m"], c["block_k"]])
+    else:
+        x_arg = x
+    args = (x_arg, w_arg, s.act, s.order, s.counts,
+            x.stride(0), w13.stride(0), w13.stride(1), s.act.stride(0), group_m)  # fmt: skip
+    kwargs = dict(
+        INTER=inter, HIDDEN=hidden, TOP_K=top_k, NUM_EXPERTS=num_experts,
+        E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=c["block_m"],
+        BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], UPCAST=_interpreting(),
+        TMA_A=tma_a, TMA_W=tma_w, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )  # fmt: skip
+    launches.append((_gate_up_kernel, grid, args, kwargs))
+    return launches
+
+
+def _down_launch(w2: torch.Tensor, s: _Scratch, c: dict[str, int]) -> list[Launch]:
+    num_experts, hidden, inter = w2.shape
+    num_pairs = s.order.shape[0]
+    grid, group_m = _grid(num_pairs, num_experts, hidden, c)
+    tma_w = c["tma"] >= TMA_W and _w_desc_ok(w2)
+    tma_a = c["tma"] >= TMA_AW and _tma_ok(s.act, num_pairs, s.act.stride(0))
+    w_arg, a_arg = w2, s.act
+    if tma_w:
+        w_arg = _desc(w2, num_experts * hidden, w2.stride(1), [c["block_n"], c["block_k"]])
+    if tma_a:
+        a_arg = _desc(s.act, num_pairs, s.act.stride(0), [c["block_m"], c["block_k"]])
+    args = (a_arg, w_arg, s.y, s.order, s.counts,
+            s.act.stride(0), w2.stride(0), w2.stride(1), s.y.stride(0), group_m)  # fmt: skip
+    kwargs = dict(
+        INTER=inter, HIDDEN=hidden, NUM_EXPERTS=num_experts,
+        E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=c["block_m"],
+        BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], UPCAST=_interpreting(),
+        TMA_A=tma_a, TMA_W=tma_w, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )  # fmt: skip
+    return [(_down_kernel, grid, args, kwargs)]
+
+
+def _sum_topk(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> None:
+    num_tokens, hidden = out.shape
+    block_d = min(1024, triton.next_power_of_2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
+        y, topk_weights, out, y.stride(0), topk_weights.stride(0), topk_weights.stride(1),
+        out.stride(0), TOP_K=topk_weights.shape[1], HIDDEN=hidden, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
 
 
 def fused_moe(
@@ -208,15 +587,12 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     workspace: Any = None,
-    block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    config: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.moe.fused_moe; out [T, D] in x.dtype.
 
-    block_m / block_n / block_k override the tile sizes (tests and tuning)."""
+    config overrides moe_config's tiles (tests and tuning): {"gate_up": {...},
+    "down": {...}}, either GEMM and any of its fields."""
     num_experts, two_i, hidden = w13.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_i % 2:
         raise ValueError(
@@ -235,60 +611,14 @@ def fused_moe(
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_moe: the last dim of x, w13 and w2 must be contiguous")
     num_tokens, top_k = topk_ids.shape
+    cfg = _resolve(moe_config(num_tokens, top_k, num_experts, hidden, inter), config)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    num_pairs = num_tokens * top_k
-    block_m = block_m or moe_block_m(num_pairs, num_experts)
-    dev = x.device
-    specs = (
-        ((num_pairs,), topk_ids.dtype),  # sorted expert ids (unused, sort's values output)
-        ((num_pairs,), torch.int64),  # order: pair index of each sorted row
-        ((num_pairs,), torch.int64),  # ones, for the scatter-add histogram
-        ((num_experts,), torch.int64),  # counts
-        ((num_experts,), torch.int64),  # seg_end
-        ((num_experts,), torch.int64),  # nblk
-        ((num_experts,), torch.int64),  # blk_end
-        ((num_pairs, inter), w13.dtype),  # act, sorted rows
-        ((num_pairs, hidden), torch.float32),  # y, weighted down-proj, unsorted pair rows
-    )
-    if workspace is not None:
-        bufs = workspace.get(*specs)
-    else:
-        bufs = [torch.empty(tuple(shape), dtype=dtype, device=dev) for shape, dtype in specs]
-    sorted_ids, order, ones, counts, seg_end, nblk, blk_end, act, y = bufs
-
-    # Grouping, all on the device and in place into the views above.
-    flat_ids = topk_ids.reshape(-1)
-    # Stable: an expert's rows stay in token order (like the reference's sort).
-    torch.sort(flat_ids, stable=True, out=(sorted_ids, order))
-    ones.fill_(1)
-    counts.zero_().scatter_add_(0, flat_ids.to(torch.int64), ones)
-    torch.cumsum(counts, 0, out=seg_end)
-    torch.add(counts, block_m - 1, out=nblk)
-    nblk.div_(block_m, rounding_mode="floor")
-    torch.cumsum(nblk, 0, out=blk_end)
-
-    m_blocks = max_m_blocks(num_pairs, num_experts, block_m)
-    upcast = _interpreting()
-    _gate_up_kernel[(m_blocks, triton.cdiv(inter, block_n))](
-        x, w13, act, order, counts, seg_end, blk_end,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        INTER=inter, HIDDEN=hidden, TOP_K=top_k, NUM_EXPERTS=num_experts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    _down_kernel[(m_blocks, triton.cdiv(hidden, block_n))](
-        act, w2, y, topk_weights, order, counts, seg_end, blk_end,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
-        topk_weights.stride(0), topk_weights.stride(1),
-        INTER=inter, HIDDEN=hidden, TOP_K=top_k, NUM_EXPERTS=num_experts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    block_d = min(1024, triton.next_power_of_2(hidden))
-    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
-        y, out, y.stride(0), out.stride(0), TOP_K=top_k, HIDDEN=hidden, BLOCK_D=block_d,
-        num_warps=4,
-    )  # fmt: skip
+    s = _scratch(x, w13, w2, topk_ids, workspace,
+                 sorted_x=cfg["gate_up"]["tma"] >= TMA_AW)  # fmt: skip
+    _group(topk_ids, s)
+    _run(_gate_up_launch(x, w13, s, top_k, cfg["gate_up"]))
+    _run(_down_launch(w2, s, cfg["down"]))
+    _sum_topk(s.y, topk_weights, out)
     return out

@@ -66,6 +66,13 @@ def run_warmup(engine: LLMEngine, graph_sizes: list[int]) -> None:
         while q_len < 2 * longest:
             runner.dummy_forward([min(q_len, longest)])
             q_len *= 2
+        # The fused MoE picks its tiles by the step's token count (a few size
+        # classes); a class may start beyond max_model_len, where only
+        # multi-sequence steps reach, so run each class's first count.
+        for tokens in _moe_token_counts(runner.model, cfg.max_num_batched_tokens):
+            seqs = -(-tokens // max(longest, 1))
+            if seqs <= cfg.max_num_seqs:
+                runner.dummy_forward([tokens // seqs + (i < tokens % seqs) for i in range(seqs)])
 
     # One eager run of every shape that will be captured, through the very
     # callable the graph will capture.
@@ -76,3 +83,17 @@ def run_warmup(engine: LLMEngine, graph_sizes: list[int]) -> None:
     block_manager.reset()
     engine.scheduler.stats = SchedulerStats()
     runner.generators.clear()
+
+
+def _moe_token_counts(model: torch.nn.Module, max_tokens: int) -> list[int]:
+    """One token count per fused-MoE size class of the model's MoE layers
+    (none for a dense model)."""
+    from models.moe import DeepseekMoE
+
+    shapes = {(m.gate.cfg.top_k, m.experts.num_experts)
+              for m in model.modules() if isinstance(m, DeepseekMoE)}  # fmt: skip
+    if not shapes:
+        return []
+    from kernels.triton_moe import moe_token_classes  # imports triton: only for MoE models
+
+    return sorted({t for k, e in shapes for t in moe_token_classes(max_tokens, k, e)})

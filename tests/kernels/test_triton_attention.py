@@ -412,3 +412,21 @@ def test_gpu_decode_cuda_graph_replay() -> None:
         b.keys[i] = b.k_cache[ids].flatten(0, 1)[:s]
         b.values[i] = b.v_cache[ids].flatten(0, 1)[:s]
     assert _rel_err(graph_out, _sdpa_reference(b)) < 1e-2
+
+
+def test_int32_offsets_only_when_the_strided_view_fits():
+    """K and V share the rows of one allocation (kv_cache.py), so a K view of
+    N elements reaches offsets up to ~2N: the int32 address path must be
+    chosen from the largest reachable offset, not from numel()."""
+    from kernels.triton_attention import _offsets_fit_32
+
+    def caches(num_blocks: int):
+        storage = torch.empty(
+            (2, num_blocks, 16, 8, 256), device="meta"
+        )  # [L, blocks, bs, H, Dk+Dv]
+        return storage[1, ..., :128], storage[1, ..., 128:]
+
+    k, v = caches(2**31 // (16 * 8 * 256) + 1)  # the K view itself holds ~2^30 elements
+    assert k.numel() < 2**31 and not _offsets_fit_32(k, v)
+    k, v = caches(2**30 // (16 * 8 * 256))
+    assert _offsets_fit_32(k, v)

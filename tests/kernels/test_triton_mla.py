@@ -3,9 +3,13 @@
 
 CPU runs go through the Triton interpreter (~2 ms per program instance), so
 shapes stay tiny: L=32, R=16, 16-row cache blocks, contexts up to ~70 tokens,
-with BLOCK_N=16 so several tiles, block boundaries and splits are crossed.
-Cache slots no sequence owns, and block-table padding, hold NaN: any read
-outside a sequence's context shows up as NaN in the output.
+with BLOCK_N=16/32 so several tiles, block boundaries and splits are crossed.
+Every kernel path is pinned through mla_decode's overrides: head blocks of
+16/32/64 (with head counts that leave a partial block), BLOCK_N 16/32/64, the
+direct (one split) and split+reduce paths, the deferred-PV and chained loops,
+lazy and eager rescaling. Cache slots no sequence owns, and block-table
+padding, hold NaN: any read outside a sequence's context shows up as NaN in
+the output.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ TOL = {
 
 
 class LatentBatch:
-    """Random decode queries over a randomly permuted, NaN-poisoned latent cache."""
+    """Random decode queries over a randomly permuted, NaN-poisoned latent cache.
+
+    `ramp` multiplies row p's latent and rope by (1 + ramp * p): scores then
+    grow along the context, so the running max moves many times (lazy
+    rescaling takes both of its branches)."""
 
     def __init__(
         self, seq_lens: list[int], *, heads: int, latent: int = 32, rope: int = 16,
         block_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0,
-        device: str = DEVICE,
+        q_scale: float = 1.0, ramp: float = 0.0, device: str = DEVICE,
     ) -> None:  # fmt: skip
         g = torch.Generator().manual_seed(seed)
         self.seq_lens, self.latent = seq_lens, latent
@@ -46,25 +54,37 @@ class LatentBatch:
         for i, (s, nb) in enumerate(zip(seq_lens, blocks, strict=True)):
             ids, perm = perm[:nb], perm[nb:]
             table[i, :nb] = torch.tensor(ids, dtype=torch.int32)
-            rows = torch.randn(s, latent + rope, generator=g).to(dtype)
+            rows = torch.randn(s, latent + rope, generator=g)
+            rows *= 1 + ramp * torch.arange(s, dtype=torch.float32)[:, None]
+            rows = rows.to(dtype)
             for p in range(s):
                 cache[ids[p // block_size], p % block_size, 0] = rows[p].float()
             self.rows.append(rows.double())
         self.cache = cache.to(dtype).to(device)
         self.block_tables = table.to(device)
-        self.q_latent = torch.randn(len(seq_lens), heads, latent, generator=g).to(dtype).to(device)
-        self.q_rope = torch.randn(len(seq_lens), heads, rope, generator=g).to(dtype).to(device)
+        q_lat = torch.randn(len(seq_lens), heads, latent, generator=g) * q_scale
+        q_rope = torch.randn(len(seq_lens), heads, rope, generator=g) * q_scale
+        self.q_latent = q_lat.to(dtype).to(device)
+        self.q_rope = q_rope.to(dtype).to(device)
         self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.max_seq_len = max(seq_lens)
         self.scale = (latent + rope) ** -0.5
 
     def args(self) -> tuple:
         return (self.q_latent, self.q_rope, self.cache, self.block_tables, self.seq_lens_t,
                 self.scale)  # fmt: skip
 
+    def run(self, **overrides) -> torch.Tensor:
+        return triton_mla.mla_decode(*self.args(), max_seq_len=self.max_seq_len, **overrides)
+
     def dense_reference(self) -> torch.Tensor:
+        """fp64 softmax attention per sequence; an empty context gives 0."""
         ql, qr = self.q_latent.double().cpu(), self.q_rope.double().cpu()
         out = []
         for i, rows in enumerate(self.rows):
+            if len(rows) == 0:
+                out.append(torch.zeros(ql.shape[1], self.latent, dtype=torch.float64))
+                continue
             lat, rope = rows[:, : self.latent], rows[:, self.latent :]
             scores = (ql[i] @ lat.T + qr[i] @ rope.T) * self.scale
             out.append(scores.softmax(-1) @ lat)
@@ -77,13 +97,38 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (block_h, block_n, num_splits, defer_pv, lazy_rescale): every loop shape.
+PATHS = [
+    (16, 16, 1, False, False),  # the smallest tiles, direct, eager rescale
+    (16, 32, 3, False, True),
+    (32, 16, 2, False, True),
+    (32, 64, 1, True, False),
+    (64, 16, 1, True, True),  # the DeepSeek-V3 shape of the loop, direct
+    (64, 32, 2, True, False),
+    (64, 64, 8, True, True),  # 8 splits of 70 tokens in 64-row tiles: most are empty
+    (64, 32, 3, False, True),  # chained (non-deferred) PV at 64 heads
+]
+
+
+@pytest.mark.parametrize(("block_h", "block_n", "splits", "defer", "lazy"), PATHS)
+def test_paths_match_reference(
+    block_h: int, block_n: int, splits: int, defer: bool, lazy: bool
+) -> None:
+    # 5 (< one block), 70 (4.4 blocks), 33 (just past 2 blocks), 16 (exactly
+    # one); 20 heads leave a partial head block at every block_h.
+    b = LatentBatch([5, 70, 33, 16], heads=20, seed=block_h + block_n + splits)
+    out = b.run(
+        num_splits=splits, block_h=block_h, block_n=block_n, defer_pv=defer, lazy_rescale=lazy
+    )
+    assert out.shape == b.q_latent.shape and out.dtype == torch.float32
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ragged_batch_matches_references(dtype: torch.dtype, num_splits: int) -> None:
-    # 5 (< one block), 70 (4.4 blocks), 33 (just past 2 blocks), 16 (exactly one);
-    # 8 splits of 70 tokens in 16-row tiles: splits 5.. are empty for every sequence.
     b = LatentBatch([5, 70, 33, 16], heads=4, dtype=dtype)
-    out = triton_mla.mla_decode(*b.args(), max_seq_len=70, num_splits=num_splits, block_n=16)
+    out = b.run(num_splits=num_splits, block_n=16)
     assert out.shape == b.q_latent.shape and out.dtype == dtype
     assert rel_err(out, b.dense_reference()) < TOL[dtype]
     # The reference reads whole blocks and masks scores, so 0 * NaN would poison
@@ -93,34 +138,100 @@ def test_ragged_batch_matches_references(dtype: torch.dtype, num_splits: int) ->
     assert rel_err(out, ref) < TOL[dtype]
 
 
-def test_workspace_path_and_heuristic_split_count() -> None:
-    b = LatentBatch([40, 9, 70], heads=3, seed=1)
-    ws = Workspace(DEVICE)
-    ref = b.dense_reference()
-    out_ws = triton_mla.mla_decode(
-        *b.args(), max_seq_len=70, workspace=ws, num_splits=4, block_n=16
-    )
-    assert ws.stats.num_growths == 1  # the partials came from the arena
-    out_none = triton_mla.mla_decode(*b.args(), max_seq_len=70, num_splits=4, block_n=16)
-    assert torch.equal(out_ws, out_none)
-    assert rel_err(out_ws, ref) < TOL[torch.float32]
-    out_auto = triton_mla.mla_decode(*b.args(), max_seq_len=70, workspace=ws)  # default tiles
-    assert rel_err(out_auto, ref) < TOL[torch.float32]
-
-
-def test_non_power_of_two_latent_and_head_block_tail() -> None:
-    # L=40 pads to a 64-wide tile; 5 heads with block_h 16 leaves 11 masked rows.
-    b = LatentBatch([23, 50], heads=5, latent=40, rope=24, block_size=8, seed=2)
-    out = triton_mla.mla_decode(*b.args(), max_seq_len=50, num_splits=2, block_n=16)
+@pytest.mark.parametrize("defer", [True, False])
+@pytest.mark.parametrize("lazy", [True, False])
+def test_growing_scores_rescale(defer: bool, lazy: bool) -> None:
+    # Scores spread over ~50 log2 units and grow along the context: with
+    # 16-row tiles the running max outgrows the lazy threshold (8) in some
+    # tiles (e.g. tiles 0, 2, 3, 4 of the unsplit first sequence) and not in
+    # others, which then take weights against a stale max (up to 2^8).
+    b = LatentBatch([70, 41], heads=8, q_scale=3.0, ramp=0.02, seed=3)
+    out = b.run(num_splits=2, block_h=64, block_n=16, defer_pv=defer, lazy_rescale=lazy)
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+    out = b.run(num_splits=1, block_h=16, block_n=16, defer_pv=defer, lazy_rescale=lazy)
     assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
 
 
-def test_split_count_from_host_ints_only() -> None:
-    s = triton_mla.mla_num_splits
-    assert s(64, 128, 4096, 132) == 1  # 512 programs >= 2 per SM
-    assert s(1, 16, 4096, 132) == 16  # capped by 256-token splits
-    assert s(1, 16, 100, 132) == 1
-    assert s(1, 128, 1 << 20, 132) <= triton_mla.MAX_SPLITS
+@pytest.mark.parametrize(("splits", "defer"), [(1, True), (1, False), (4, True), (4, False)])
+def test_zero_length_padding_rows(splits: int, defer: bool) -> None:
+    # A CUDA graph padded to its capture size runs rows with seq_len 0: they
+    # must come out as zeros (and not poison the real rows), split or not.
+    b = LatentBatch([0, 37, 0, 16], heads=5, seed=4)
+    out = b.run(num_splits=splits, block_h=64, block_n=16, defer_pv=defer)
+    assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
+    assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu()))
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_tiles_straddle_small_cache_blocks(defer: bool) -> None:
+    # block_size 4: a 32-row tile spans 8 cache blocks, each row looks up its own.
+    b = LatentBatch([3, 30, 45], heads=6, block_size=4, seed=5)
+    out = b.run(num_splits=2, block_h=64, block_n=32, defer_pv=defer)
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("block_h", [16, 64])
+def test_non_power_of_two_latent_and_rope(block_h: int) -> None:
+    # L=40 pads to a 64-wide tile, R=24 to 32; 5 heads leave masked rows.
+    b = LatentBatch([23, 50], heads=5, latent=40, rope=24, block_size=8, seed=2)
+    out = b.run(num_splits=2, block_h=block_h, block_n=16)
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+    out = b.run(num_splits=1, block_h=block_h, block_n=32, defer_pv=block_h == 64)
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+
+
+def test_deepseek_widths_tiny_context() -> None:
+    # The real L=512 / R=64 tile widths with the default configuration
+    # (64 heads per program, deferred PV) on a context of a few tiles.
+    b = LatentBatch([3, 40], heads=64, latent=512, rope=64, seed=6)
+    assert rel_err(b.run(), b.dense_reference()) < TOL[torch.float32]
+    out = b.run(num_splits=2, block_n=16)
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+
+
+def test_workspace_path_and_default_config() -> None:
+    b = LatentBatch([40, 9, 70], heads=3, seed=1)
+    ws = Workspace(DEVICE)
+    ref = b.dense_reference()
+    out_ws = b.run(workspace=ws, num_splits=4, block_n=16)
+    assert ws.stats.num_growths == 1  # the partials came from the arena
+    out_none = b.run(num_splits=4, block_n=16)
+    assert torch.equal(out_ws, out_none)
+    assert rel_err(out_ws, ref) < TOL[torch.float32]
+    out_auto = b.run(workspace=ws)  # mla_config's choices
+    assert rel_err(out_auto, ref) < TOL[torch.float32]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_for_deepseek_v3() -> None:
+    cfg = triton_mla.mla_config
+    block_h, block_n, warps, stages, splits = cfg(64, 128, 512, 4096, 132)
+    assert (block_h, warps, splits) == (64, 8, 1)  # 128 programs: one full wave
+    assert cfg(256, 128, 512, 4096, 132)[4] == 1
+    assert cfg(8, 128, 512, 4096, 132)[4] > 1  # 16 programs would idle most SMs
+    assert cfg(1, 128, 512, 4096, 132)[4] > cfg(8, 128, 512, 4096, 132)[4]
+    assert cfg(64, 16, 512, 4096, 132)[0] == 16  # a 16-head (TP-8) shard
+
+
+def test_config_bounded_variants_from_host_ints() -> None:
+    # The compiled variant is (block_h, block_n, warps, stages, DIRECT): across
+    # every batch size and context a model must compile only a few, all of them
+    # reachable during warmup. num_splits itself is a runtime argument.
+    for heads, latent in ((128, 512), (16, 512), (3, 32)):
+        variants = set()
+        for batch in range(1, 257):
+            for ctx in (1, 17, 64, 1000, 4096, 32768, 163840):
+                block_h, block_n, warps, stages, splits = triton_mla.mla_config(
+                    batch, heads, latent, ctx, 132
+                )
+                assert 1 <= splits <= triton_mla.MAX_SPLITS
+                assert splits == 1 or ctx // splits >= triton_mla._MIN_SPLIT_TOKENS
+                variants.add((block_h, block_n, warps, stages, splits == 1))
+        assert len({v[:4] for v in variants}) == 1, variants  # one tile shape per model
+        assert len(variants) <= 2, variants  # direct or split
 
 
 def test_rejects_mismatched_widths() -> None:
@@ -156,6 +267,23 @@ def test_gpu_deepseek_v3_dims(heads: int) -> None:
     assert rel_err(out, ref) < 2e-2
     for splits in (1, 7, 64):
         out = triton_mla.mla_decode(*args, max_seq_len=4096, num_splits=splits)
+        assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("block_h", "block_n", "warps", "stages", "defer"),
+    [(64, 32, 8, 2, True), (64, 16, 8, 2, True), (64, 32, 8, 2, False), (16, 32, 4, 2, False)],
+)
+def test_gpu_tile_configs(block_h: int, block_n: int, warps: int, stages: int, defer: bool) -> None:
+    # The candidate configurations of benchmarks/sweep_mla.py, compiled for real.
+    args = _deepseek_batch(8, 128, 1024, torch.bfloat16)
+    ref = mla_ref.mla_decode(*args, max_seq_len=1024)
+    for splits in (1, 4):
+        out = triton_mla.mla_decode(
+            *args, max_seq_len=1024, num_splits=splits, block_h=block_h, block_n=block_n,
+            num_warps=warps, num_stages=stages, defer_pv=defer,
+        )  # fmt: skip
         assert rel_err(out, ref) < 2e-2
 
 
