@@ -21,6 +21,32 @@ for section in "$@"; do
     sweep_moe) run sweep_moe 150 python benchmarks/sweep_moe.py --budget 120 ;;
     tp_profile) run tp_profile 150 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
           --profile-host --json "$out/tp_profile.json" ;;
+    kern_test) run kern_test 200 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels ;;
+    tp_hf) run tp_hf 240 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
+          --compare hf --json "$out/tp_hf.json" ;;
+    lat8b) run lat8b 240 python -m tinyengine.bench latency --model llama3-8b-shape --batch-size 1 \
+          --input-len 128 --output-len 128 --num-iters 5 --compare hf --json "$out/lat8b.json" ;;
+    lat_plot) run lat_plot 200 python -m tinyengine.bench latency --model qwen3-0.6b-shape \
+          --batch-sizes 1,8,32,64,128,256 --input-len 128 --output-len 128 --num-iters 3 \
+          --plot "$out/decode_vs_batch_qwen3.png" --json "$out/lat_plot.json" ;;
+    lat8b_nohf) run lat8b_nohf 200 python -m tinyengine.bench latency --model llama3-8b-shape \
+          --batch-size 1 --input-len 128 --output-len 128 --num-iters 5 --json "$out/lat8b_nohf.json" ;;
+    moe_tma) run moe_tma 150 python benchmarks/sweep_moe.py --tokens 4096,8192 --no-boundaries ;;
+    gpu_tests) run gpu_tests 300 python -m pytest -q -m "gpu and not slow" -p no:cacheprovider tests ;;
+    prefill) run prefill 90 python benchmarks/bench_kernels.py --only prefill ;;
+    proxy_startup) run proxy_startup 200 python -m tinyengine.bench startup --model deepseek-v3-proxy \
+          --json "$out/proxy_startup.json" ;;
+    proxy_slow) run proxy_slow 300 python -m pytest -q -m slow -p no:cacheprovider tests/models ;;
+    proxy_serve) TINYENGINE_MODEL=deepseek-v3-proxy timeout 400 uvicorn server:app --port 8011 \
+            > "$out/proxy_server.log" 2>&1 &
+          for i in $(seq 240); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
+          run proxy_serve 150 python -m tinyengine.bench serve --base-url http://127.0.0.1:8011 \
+            --num-requests 200 --request-rate 20 --input-len-range 128:1024 \
+            --output-len-range 64:256 --seed 0 --json "$out/proxy_serve.json"
+          curl -s localhost:8011/metrics | grep -E "^tinyengine_(kv|prefix|preempt|requests)" | head -20
+          kill %1 2>/dev/null ;;
+    tp_hf64) run tp_hf64 200 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
+          --num-prompts 64 --compare hf --json "$out/tp_hf64.json" ;;
     *) echo "unknown section $section" ;;
   esac
 done

@@ -51,6 +51,11 @@ class EngineConfig:
     # Time each step's phases (schedule, prepare, forward on the GPU, sample,
     # output) for LLMEngine.step_profile(). Off: a step pays a few `is None` checks.
     profile_steps: bool = False
+    # Schedule and launch step N+1 before waiting for step N's tokens, so the
+    # host's scheduling, input preparation and output processing overlap the
+    # GPU's forward (vLLM's async scheduling). Off: each step waits for its own
+    # tokens before returning (simpler to follow; same tokens either way).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.hf_overrides is None:
@@ -98,6 +103,8 @@ class EngineConfig:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
         if not isinstance(self.profile_steps, bool):
             raise bad("profile_steps", "must be True or False")
+        if not isinstance(self.async_scheduling, bool):
+            raise bad("async_scheduling", "must be True or False")
         if not isinstance(self.hf_overrides, dict):
             raise bad("hf_overrides", "must be a dict merged into config.json")
 

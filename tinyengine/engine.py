@@ -76,6 +76,9 @@ class LLMEngine:
         self._jit_compiles_at_ready = 0
         if device == "cuda" or self.runner.attention_ops.name == "triton":
             jit_monitor.install()  # imports triton: only where Triton kernels can run
+        # Asynchronous scheduling: the launched step whose tokens the next
+        # step() call processes, as (plan, StepLaunch).
+        self._inflight: tuple[Any, Any] | None = None
         self._profiler = None  # a StepProfiler when config.profile_steps
         if config.profile_steps:
             from tinyengine.tools.step_profile import StepProfiler
@@ -220,24 +223,46 @@ class LLMEngine:
         self.states.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     # --- one step ---
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return an output for every request
-        that got a new token (cumulative text and token ids, as vLLM does)."""
+        """Schedule and launch one forward pass, and return an output for every
+        request that got a new token (cumulative text and token ids, as vLLM
+        does; FINAL_ONLY requests only when they finish).
+
+        With async_scheduling the tokens returned are those of the step
+        launched by the *previous* call: this call schedules and launches the
+        next step first, so the GPU computes it while the host processes the
+        previous one's tokens. A request that finished in the previous step may
+        have been scheduled once more; its extra token is dropped."""
         prof = self._profiler
         if prof is not None:
             prof.begin()
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
+        launched = None
+        if not plan.is_empty:
+            if prof is not None:
+                prof.scheduled()
+            launched = (plan, self.runner.launch(plan))
+            if prof is not None:
+                prof.executed()
+        if self.config.async_scheduling:
+            finishing, self._inflight = self._inflight, launched
+        else:
+            finishing = launched
+        outputs = self._finish(*finishing, prof) if finishing is not None else []
+        if prof is not None and launched is not None:
+            prof.end(plan)
+        return outputs
+
+    def _finish(self, plan, launch, prof) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, hand them to the scheduler, and
+        process each: stop checks, text, outputs."""
+        token_ids, sampled = launch.result()
         if prof is not None:
-            prof.scheduled()
-        token_ids, sampled = self.runner.execute(plan)
-        if prof is not None:
-            prof.executed()
+            prof.waited(synced=sampled is not None)
         self.scheduler.update_from_output(plan, token_ids)
 
         outputs: list[RequestOutput] = []
@@ -245,16 +270,16 @@ class LLMEngine:
         for sched, token_id in zip(plan.scheduled, token_ids, strict=True):
             if token_id is None:
                 continue
-            state = self.states[sched.request.request_id]
-            if state.logprobs is not None and sampled is not None:
-                state.logprobs.append(self._logprobs(sampled.logprobs[row]))
             row += 1
+            state = self.states.get(sched.request.request_id)
+            if state is None or state.request.is_finished:
+                continue  # aborted, or finished before this token: dropped
+            if state.logprobs is not None and sampled is not None:
+                state.logprobs.append(self._logprobs(sampled.logprobs[row - 1]))
             self._process_token(state, token_id)
             if state.final_only and not state.request.is_finished:
                 continue  # nobody reads the intermediate outputs of this request
             outputs.append(self._make_output(state))
-        if prof is not None:
-            prof.end(plan, synced=sampled is not None)  # a step that sampled has synced
         return outputs
 
     def _process_token(self, state: _RequestState, token_id: int) -> None:

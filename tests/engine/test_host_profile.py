@@ -60,9 +60,11 @@ def test_profile_counts_every_step_and_adds_up(llama_path, mode, monkeypatch):
     llm = LLM(llama_path, **BASE, **MODES[mode], profile_steps=True)
     engine = llm.engine
     assert llm.step_profile()["steps"] == 0  # warmup steps do not count
+    # One record per step call that launched a forward pass (with async
+    # scheduling the last call only collects the previous step's tokens).
     steps = []
-    real_step = engine.step
-    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or real_step())
+    real_launch = engine.runner.launch
+    monkeypatch.setattr(engine.runner, "launch", lambda plan: steps.append(1) or real_launch(plan))
     _generate(llm)
     profile = llm.step_profile()
     assert profile["steps"] == len(steps) > 0
@@ -80,7 +82,8 @@ def test_profile_counts_every_step_and_adds_up(llama_path, mode, monkeypatch):
         hist[size] = hist.get(size, 0) + n
     assert hist == profile["batch_size_histogram"]
     assert decode["mean_tokens"] == decode["mean_batch_size"]  # one token per row
-    assert profile["gpu_forward_s"] > 0 and profile["sample_wait_s"] == 0  # CPU: no waiting
+    # CPU: the forward runs inside the launch, so the wait is only the unpacking.
+    assert 0 < profile["sample_wait_s"] < profile["gpu_forward_s"]
     if mode == "graphs":  # the decode steps went through graph replay
         assert engine.runner.graphs.backend.num_replays >= decode["steps"]
 

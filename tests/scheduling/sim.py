@@ -111,7 +111,7 @@ class Sim:
         ids = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
         assert sorted(ids) == sorted(sched.requests), "running + waiting != requests"
         for r in sched.running:
-            assert 0 <= r.num_computed_tokens < r.num_tokens, r
+            assert 0 <= r.num_computed_tokens < r.num_tokens_with_inflight, r
             if exact_blocks:
                 assert len(r.block_ids) == bm.blocks_needed(r.num_computed_tokens), r
         bm.check_invariants(self.live())
@@ -137,7 +137,9 @@ class Sim:
             r = s.request
             assert r.status == RequestStatus.RUNNING and r in self.sched.running
             assert s.num_new_tokens >= 1
-            assert s.start == r.num_computed_tokens
+            # Scheduled tokens count as computed at once (vLLM V1); the
+            # engine's asynchronous mode relies on it.
+            assert s.start + s.num_new_tokens == r.num_computed_tokens
             assert s.start + s.num_new_tokens <= r.num_tokens
             assert len(r.block_ids) * bm.block_size >= s.start + s.num_new_tokens
             assert len(r.block_ids) == bm.blocks_needed(s.start + s.num_new_tokens), r

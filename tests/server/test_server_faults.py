@@ -46,16 +46,16 @@ def inproc(tiny_token_model: str):
     assert engine.ready, engine.health()
 
     runner = engine.engine.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
 
-    def faulty_execute(plan):  # runs on the engine thread
+    def faulty_launch(plan):  # runs on the engine thread
         if any(POISON in s.request.prompt_token_ids for s in plan.scheduled):
             raise RuntimeError("injected fault")
-        return real_execute(plan)
+        return real_launch(plan)
 
-    runner.execute = faulty_execute
+    runner.launch = faulty_launch
     yield url, engine
-    runner.execute = real_execute
+    runner.launch = real_launch
     server.should_exit = True
     thread.join(timeout=30)
 

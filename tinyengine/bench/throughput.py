@@ -121,7 +121,13 @@ def format_profile(profile: dict[str, Any]) -> list[str]:
     for phase in phases:
         cells = [c.get("per_step", {}).get(phase) for _, c in columns]
         lines.append(f"{phase.removesuffix('_s'):<20}" + "".join(_ms(v) for v in cells))
-    for key in ("steps", "mean_batch_size", "mean_tokens", "host_fraction_of_gpu"):
+    for key in (
+        "steps",
+        "mean_batch_size",
+        "mean_tokens",
+        "host_fraction_of_gpu",
+        "exposed_fraction_of_gpu",
+    ):
         cells = [c.get(key) for _, c in columns]
         lines.append(f"{key:<20}" + "".join(f"{common.format_value(v):>12}" for v in cells))
     if "forward_timing" in profile:

@@ -127,7 +127,9 @@ class BlockManager:
         """Index the request's blocks that are full and fully computed."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # Only blocks whose tokens are all known: positions of in-flight tokens
+        # count as computed but have no id to hash yet.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         hashes = self._block_hashes(request, num_full)
         for j in range(num_full):
             block = self.blocks[request.block_ids[j]]

@@ -9,6 +9,13 @@ Invariants over a request's token positions (all_token_ids = prompt + output):
   block_ids[j] holds positions [j * block_size, (j + 1) * block_size)
 A running request always has at least one uncomputed token: the prompt's tail
 before its first sample, then the last sampled token afterwards.
+
+In flight (asynchronous scheduling): a step that will sample a token for the
+request has been launched but its token is not on the host yet. The scheduler
+counts such tokens in `num_inflight` and treats them as existing: it may
+schedule the position of an in-flight token (the runner takes its id from the
+device) and advances num_computed_tokens past it, so num_computed_tokens may
+exceed len(all_token_ids) by at most num_inflight.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_inflight = 0  # tokens sampled by launched steps, not yet appended
         self.block_ids: list[int] = []
         # Content hashes of the full blocks of all_token_ids, extended lazily by
         # the block manager (a block's hash chains its parent's).
@@ -72,6 +80,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_inflight(self) -> int:
+        return len(self.all_token_ids) + self.num_inflight
 
     @property
     def num_prompt_tokens(self) -> int:

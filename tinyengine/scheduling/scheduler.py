@@ -18,6 +18,14 @@ When a running request cannot get a block, the newest running request is
 preempted: its blocks are freed and it goes back to the head of the waiting
 queue, to be recomputed from its tokens later. Greedy and seeded sampling make
 the resumed request produce exactly what it would have.
+
+Tokens are counted as computed when they are scheduled (as vLLM's V1 does), and
+a chunk that reaches the request's end adds one in-flight token
+(`Request.num_inflight`) until `update_from_output` appends it. That is what
+lets the engine schedule step N+1 while step N still runs (asynchronous
+scheduling): a request whose token is in flight is simply scheduled for that
+token's position. A request whose last allowed token is in flight is not
+scheduled again.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ class ScheduledRequest:
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        end = self.start + self.num_new_tokens
+        self.samples = end == self.request.num_tokens_with_inflight
 
 
 @dataclass
@@ -126,9 +135,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_tokens + request.num_inflight >= request.max_tokens:
+                i += 1  # its last token is in flight: it finishes when that lands
+                continue
+            n = min(request.num_tokens_with_inflight - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, n, out):
-                out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+                self._schedule(out, request, n)
                 budget -= n
                 i += 1
             # else `request` preempted itself; it was the last one running.
@@ -142,6 +154,8 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.num_inflight:
+                break  # preempted while its token was in flight: wait until it lands
             hits = self.block_manager.get_computed_blocks(request)
             num_cached = len(hits) * self.block_manager.block_size
             n = min(request.num_tokens - num_cached, budget)
@@ -155,12 +169,21 @@ class Scheduler:
             self.stats.prefix_cache_query_tokens += request.num_tokens
             self.stats.prefix_cache_hit_tokens += num_cached
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n, num_cached))
+            self._schedule(out, request, n)
             budget -= n
 
         if out.scheduled:
             self.stats.num_steps += 1
         return out
+
+    @staticmethod
+    def _schedule(out: SchedulerOutput, request: Request, n: int) -> None:
+        """Put n tokens of `request` in the plan and count them as computed."""
+        sched = ScheduledRequest(request, n, request.num_computed_tokens)
+        out.scheduled.append(sched)
+        request.num_computed_tokens += n
+        if sched.samples:
+            request.num_inflight += 1
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, n):
@@ -184,17 +207,22 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, sampled_token_ids: list[int | None]
     ) -> list[Request]:
-        """Advance each scheduled request past its computed chunk and append the
-        token sampled for it (None where the chunk did not reach its end).
-        Returns the requests that received a token, for the engine's stop checks."""
+        """Append the token sampled for each scheduled request (None where the
+        chunk did not reach its end) and index its newly full blocks.
+        Returns the requests that received a token, for the engine's stop checks.
+
+        A request preempted while the step ran still gets its token (it was
+        sampled from the right context); one that finished meanwhile does not."""
         advanced: list[Request] = []
         for sched, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
             request = sched.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += sched.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
+            if sched.samples:
+                request.num_inflight -= 1
+            if request.is_finished:
+                continue  # aborted or stopped while the step ran: drop its token
             if token_id is not None:
                 request.append_output_token(token_id)
                 advanced.append(request)
+            if request.status == RequestStatus.RUNNING:
+                self.block_manager.cache_full_blocks(request)
         return advanced

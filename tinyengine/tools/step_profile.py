@@ -6,27 +6,29 @@ Owns the per-step timeline and its summary. The engine and the runner call
 its hooks, in this order, only when `EngineConfig.profile_steps` is on:
 
     begin | schedule | scheduled | prepare | forward_start | forward (+ lm_head)
-    | forward_end | sample | executed | output (update, detokenize, outputs) | end
+    | forward_end | sample | executed | wait | waited | output | end
+
+`sample` launches the sampling kernels and starts the copy of the tokens to
+the host; `wait` is the one sync of a step call, for the tokens of the step it
+finishes; `output` hands those tokens to the scheduler, detokenizes and builds
+outputs. Without async scheduling a call finishes the step it launched, so
+`wait` is mostly that step's GPU time. With it (the default), a call finishes
+the step launched by the previous call while its own step runs, so the host
+phases overlap the GPU and `wait` is what is left of the previous step.
 
 Host phases are `time.perf_counter` intervals. The forward's GPU time comes
 from a pair of CUDA events recorded around its launch and read only after a
-host sync the step makes anyway (the sampler's `.tolist()`); a step that
-samples nothing leaves its events pending until the next one that does (or
-until `summary`, which synchronizes). On CPU the forward's wall time is its
-compute time.
-
-The sampler's wall time on CUDA includes waiting for the forward to finish
-(its `.tolist()` blocks). That wait is estimated without a sync: the GPU is
-idle when the forward is launched (the previous step ended in a sync), so the
-forward ends about `gpu_forward` after `forward_start` on the host clock; the
-part of the sample phase before that moment is `sample_wait_s`, the rest is
-`sample_s`, the host cost of sampling (its own small kernels included).
+sync the step makes anyway; events still pending are read by `summary`, which
+synchronizes. On CPU the forward's wall time is its compute time.
 
 Summary (`LLMEngine.step_profile(min_batch_size=1)`): steps; totals in
 seconds wall_s, gpu_forward_s (model + lm_head), launch_s (host time to launch
-them), schedule_s, prepare_s, sample_s, sample_wait_s, output_s, host_s
-(schedule + prepare + sample + output); host_fraction_of_gpu (host_s /
-gpu_forward_s); per_step (the same means); mean_batch_size, mean_tokens,
+them), schedule_s, prepare_s, sample_s, sample_wait_s (the wait), output_s,
+host_s (schedule + prepare + sample + output); host_fraction_of_gpu (host_s /
+gpu_forward_s: the host's work per unit of GPU work, hidden or not);
+exposed_fraction_of_gpu ((wall_s - gpu_forward_s) / gpu_forward_s: how much
+longer the steps took than their forward passes, the overhead not hidden);
+per_step (the same means); mean_batch_size, mean_tokens,
 batch_size_histogram; forward_timing ("cuda_events" or "wall_clock"); and
 by_kind {"decode": every row one token, "prefill": the rest}, each with the
 same keys. Steps before READY (warmup) and steps that schedule nothing are
@@ -61,7 +63,8 @@ _HOST = ("schedule", "prepare", "sample", "output")
 
 @dataclass
 class _Step:
-    times: tuple[float, ...]  # host: begin, scheduled, forward_start, forward_end, executed, end
+    # host: begin, scheduled, forward_start, forward_end, executed, waited, end
+    times: tuple[float, ...]
     decode: bool  # every row computes one token (the CUDA-graph shape)
     num_seqs: int
     num_tokens: int
@@ -69,17 +72,15 @@ class _Step:
     gpu_forward: float = -1.0  # seconds; -1 while the CUDA events are pending
 
     def phases(self) -> dict[str, float]:
-        begin, scheduled, fwd_start, fwd_end, executed, end = self.times
-        sample_wall = executed - fwd_end
-        wait = min(max(fwd_start + self.gpu_forward - fwd_end, 0.0), sample_wall)
+        begin, scheduled, fwd_start, fwd_end, executed, waited, end = self.times
         return {
             "schedule": scheduled - begin,
             "prepare": fwd_start - scheduled,
             "launch": fwd_end - fwd_start,
             "gpu_forward": self.gpu_forward,
-            "sample": sample_wall - wait,
-            "sample_wait": wait,
-            "output": end - executed,
+            "sample": executed - fwd_end,
+            "sample_wait": waited - executed,
+            "output": end - waited,
             "wall": end - begin,
         }
 
@@ -120,9 +121,18 @@ class StepProfiler:
     def executed(self) -> None:
         self._t.append(time.perf_counter())
 
-    def end(self, plan: Any, synced: bool) -> None:
-        """Close the step of SchedulerOutput `plan`; `synced`: the step waited
-        for the device (it sampled), so every pending event can be read."""
+    def waited(self, synced: bool) -> None:
+        """The call's wait for tokens is over; `synced`: it did wait on the
+        device, so the events of every step closed before this one are done."""
+        if len(self._t) == 5:  # a call that finishes a step without launching one keeps no record
+            self._t.append(time.perf_counter())
+        if synced and self._pending:
+            self._resolve()
+
+    def end(self, plan: Any) -> None:
+        """Close the record of the step call that launched SchedulerOutput `plan`."""
+        if len(self._t) == 5:  # nothing to finish this call (the first async step)
+            self._t.append(self._t[-1])
         self._t.append(time.perf_counter())
         rows = plan.scheduled
         step = _Step(
@@ -138,8 +148,6 @@ class StepProfiler:
         else:
             self._pending.append(step)
         self._steps.append(step)
-        if synced and self._pending:
-            self._resolve()
 
     # --- results ---
 
@@ -184,6 +192,7 @@ def _summarize(steps: list[_Step]) -> dict[str, Any]:
     out.update({f"{name}_s": value for name, value in totals.items()})
     gpu = totals["gpu_forward"]
     out["host_fraction_of_gpu"] = totals["host"] / gpu if gpu > 0 else None
+    out["exposed_fraction_of_gpu"] = max(totals["wall"] - gpu, 0.0) / gpu if gpu > 0 else None
     out["per_step"] = {f"{k}_s": (v / n if n else 0.0) for k, v in totals.items()}
     out["mean_batch_size"] = sum(s.num_seqs for s in steps) / n if n else 0.0
     out["mean_tokens"] = sum(s.num_tokens for s in steps) / n if n else 0.0

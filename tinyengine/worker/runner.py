@@ -36,7 +36,7 @@ from tinyengine.worker.cuda_graphs import (
 )
 from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
-from tinyengine.worker.sampler import Sampler, SamplerOutput
+from tinyengine.worker.sampler import PendingSample, Sampler, SamplerOutput
 
 # One step's rows, as plain lists: what prepare_inputs writes into the buffers.
 StepRows = tuple[list[int], list[int], list[int], list[int], list[list[int]]]
@@ -77,6 +77,10 @@ class ModelRunner:
         # The engine's StepProfiler when EngineConfig.profile_steps is on: its
         # forward hooks bracket the launch (None: not profiling, no cost).
         self.profiler: Any = None
+        # Asynchronous scheduling: the last launched step's sampled ids (on the
+        # device) by request, and this step's rows that read one of them.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._inflight_rows: list[tuple[int, str]] = []
 
     # --- stage work: load, KV cache ---
 
@@ -105,15 +109,24 @@ class ModelRunner:
     # --- one step ---
 
     def _rows(self, plan: SchedulerOutput) -> StepRows:
+        """The step's rows as lists. A position whose token is still in flight
+        (sampled by the step launched last, not yet on the host) gets a 0
+        here; `_fill_inflight` puts the real id in on the device."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        self._inflight_rows = []
         for sched in plan.scheduled:
             request, start, end = sched.request, sched.start, sched.start + sched.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:end])
+            known = request.all_token_ids[start:end]
+            if len(known) < end - start:  # only the last position can be in flight
+                assert len(known) == end - start - 1, f"{request} has >1 token in flight"
+                self._inflight_rows.append((len(input_ids) + len(known), request.request_id))
+                known = [*known, 0]
+            input_ids.extend(known)
             positions.extend(range(start, end))
             block_ids = request.block_ids
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
@@ -121,12 +134,30 @@ class ModelRunner:
             tables.append(block_ids)
         return input_ids, positions, slots, seq_lens, tables
 
+    def _fill_inflight(self) -> None:
+        """input_ids[row] = the id the last launched step sampled for that
+        request, copied on the device (stream order puts it after that step)."""
+        if not self._inflight_rows:
+            return
+        tokens, row_of = self._last_sampled
+        dst = [row for row, _ in self._inflight_rows]
+        src = [row_of[request_id] for _, request_id in self._inflight_rows]
+        index = torch.tensor([dst, src], dtype=torch.long).to(self.device, non_blocking=True)
+        ids = self.buffers.input_ids
+        ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(ids.dtype))
+
     def _write_tables(self, tables: list[list[int]], pad_to: int = 0) -> None:
+        """Only the columns some row uses: kernels read a row's entries below
+        its seq_len alone, so stale columns further right are never looked at
+        (and a full-width table is megabytes per step at long max_model_len)."""
         num_rows = max(len(tables), pad_to)
-        table = np.full((num_rows, self.max_blocks_per_seq), self.dummy_block, dtype=np.int32)
+        width = max(1, max((len(t) for t in tables), default=1))
+        table = np.full((num_rows, width), self.dummy_block, dtype=np.int32)
         for i, block_ids in enumerate(tables):
             table[i, : len(block_ids)] = block_ids
-        self.buffers.block_tables[:num_rows].copy_(torch.from_numpy(table), non_blocking=True)
+        self.buffers.block_tables[:num_rows, :width].copy_(
+            torch.from_numpy(table), non_blocking=True
+        )
 
     def prepare_inputs(self, plan: SchedulerOutput) -> ForwardContext:
         """Write an eager step's inputs into the persistent buffers."""
@@ -176,7 +207,8 @@ class ModelRunner:
             [self.dummy_block * self.block_size] * num_tokens,
             starts,
             seq_lens,
-            [[] for _ in q_lens],
+            # Every position of every row reads the dummy block.
+            [[self.dummy_block] * -(-s // self.block_size) for s in seq_lens],
         )
         b = self.buffers
         return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
@@ -223,18 +255,21 @@ class ModelRunner:
         b, ctx = self.buffers, self.decode_context(size)
         return lambda: self.model(b.input_ids[:size], b.positions[:size], ctx)
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> tuple[list[int | None], SamplerOutput | None]:
-        """Run the model on the step and sample. Returns the sampled token per
-        scheduled request (None where its chunk does not reach its end) and the
-        sampler output (for logprobs), in the order of `plan.scheduled`."""
+        """Run the model on the step, sample, and wait: launch(plan).result()."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput) -> StepLaunch:
+        """Enqueue the step's forward and sampling on the device and start the
+        copy of its results to the host, without waiting for any of it."""
         prof = self.profiler
         hidden, sample_rows = self._forward(plan, prof)
         sampling = [i for i, row in enumerate(sample_rows) if row >= 0]
         if not sampling:
             if prof is not None:
                 prof.forward_end()
-            return [None] * len(sample_rows), None
+            return StepLaunch(len(sample_rows), sampling, None)
         b = self.buffers
         write(b.logits_indices, [sample_rows[i] for i in sampling])
         logits = self.model.compute_logits(hidden[b.logits_indices[: len(sampling)]])
@@ -242,16 +277,15 @@ class ModelRunner:
             prof.forward_end()
 
         requests = [plan.scheduled[i].request for i in sampling]
-        sampled = self.sampler(
+        pending = self.sampler.sample(
             logits,
             [r.sampling_params for r in requests],
             [self._generator(r.request_id, r.sampling_params.seed) for r in requests],
             [_banned_tokens(r) for r in requests],
         )
-        tokens: list[int | None] = [None] * len(sample_rows)
-        for i, token_id in zip(sampling, sampled.token_ids, strict=True):
-            tokens[i] = token_id
-        return tokens, sampled
+        # The next step may read these ids on the device (asynchronous scheduling).
+        self._last_sampled = (pending.token_ids, {r.request_id: i for i, r in enumerate(requests)})
+        return StepLaunch(len(sample_rows), sampling, pending)
 
     def _forward(self, plan: SchedulerOutput, prof: Any = None) -> tuple[torch.Tensor, list[int]]:
         """Replay a decode graph when one fits the batch, else run eagerly.
@@ -261,12 +295,14 @@ class ModelRunner:
         size = self.graphs.padded_size(num_seqs) if self.graphs and is_decode else None
         if size is not None:
             self.write_decode_inputs(size, self._rows(plan))
+            self._fill_inflight()
             if prof is not None:
                 prof.forward_start()
             hidden = self.graphs.replay(size, self.decode_step(size))
             # A one-token chunk of a prompt is decode-shaped but does not sample.
             return hidden, [i if s.samples else -1 for i, s in enumerate(plan.scheduled)]
         ctx = self.prepare_inputs(plan)
+        self._fill_inflight()
         if prof is not None:
             prof.forward_start()
         b, n = self.buffers, ctx.attn.num_tokens
@@ -346,11 +382,31 @@ def _enable_triton_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+class StepLaunch:
+    """A launched step: `result()` waits for its sampled tokens (one per
+    scheduled request, None where the chunk does not reach its end) and the
+    sampler output (for logprobs), in the order of `plan.scheduled`."""
+
+    def __init__(self, num_rows: int, sampling: list[int], pending: PendingSample | None) -> None:
+        self.num_rows, self.sampling, self.pending = num_rows, sampling, pending
+
+    def result(self) -> tuple[list[int | None], SamplerOutput | None]:
+        tokens: list[int | None] = [None] * self.num_rows
+        if self.pending is None:
+            return tokens, None
+        sampled = self.pending.result()
+        for i, token_id in zip(self.sampling, sampled.token_ids, strict=True):
+            tokens[i] = token_id
+        return tokens, sampled
+
+
 def _banned_tokens(request) -> list[int]:
     """Before min_tokens outputs exist, a request may not end: its eos and stop
-    tokens are masked out of the distribution (vLLM's min_tokens semantics)."""
+    tokens are masked out of the distribution (vLLM's min_tokens semantics).
+    Called for the row being launched, whose own token is already counted in
+    num_inflight; earlier in-flight tokens count as outputs."""
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    if request.num_output_tokens + request.num_inflight - 1 >= params.min_tokens:
         return []
     banned = list(params.stop_token_ids)
     if not params.ignore_eos:

@@ -3,8 +3,11 @@
 Owns the per-step token choice: banned-token masking, greedy argmax,
 temperature, top-k / top-p / min-p filtering, seeded and unseeded random
 sampling, and the logprobs a request asked for. Everything is vectorized over
-the batch; the host learns the results through exactly one device->host copy
-(the final `.tolist()`).
+the batch; the host learns the results through exactly one device->host copy.
+`sample` only launches the work and starts that copy (into pinned memory,
+behind an event), so the engine can schedule and launch the next step before
+`PendingSample.result()` waits for it; the sampled ids also stay on the device
+(`PendingSample.token_ids`) for the next step's inputs.
 
 Must never:
   * modify the caller's logits (the runner may read them again, and logprobs
@@ -70,6 +73,16 @@ class Sampler:
         generators: list[torch.Generator | None],
         banned_token_ids: list[list[int]] | None = None,
     ) -> SamplerOutput:
+        """Sample and wait for the result (sample(...).result())."""
+        return self.sample(logits, params, generators, banned_token_ids).result()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned_token_ids: list[list[int]] | None = None,
+    ) -> PendingSample:
         num_rows, vocab = logits.shape
         if len(params) != num_rows or len(generators) != num_rows:
             raise ValueError(
@@ -234,12 +247,13 @@ class Sampler:
 
     def _collect(
         self, raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-    ) -> SamplerOutput:
-        """Logprobs for the rows that asked, then everything to the host in one copy."""
+    ) -> PendingSample:
+        """Logprobs for the rows that asked, then everything to the host in one
+        copy, started here and waited for in PendingSample.result()."""
         num_rows = len(params)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * num_rows)
+            return PendingSample(tokens, _to_host(tokens), num_rows, rows, [], 0)
 
         if len(rows) == num_rows:
             lp_logits, lp_tokens = raw, tokens
@@ -264,19 +278,8 @@ class Sampler:
 
         # One device->host copy for everything: float64 holds token ids and ranks
         # exactly and fp32 logprobs losslessly.
-        host = torch.cat([x.flatten().double() for x in parts]).tolist()
-        num_lp = len(rows)
-        token_ids = [int(x) for x in host[:num_rows]]
-        fields = [host[num_rows + k * num_lp : num_rows + (k + 1) * num_lp] for k in range(3)]
-        top = host[num_rows + 3 * num_lp :]
-        out: list[list[TokenLogprob] | None] = [None] * num_rows
-        for j, i in enumerate(rows):
-            entries = [(int(fields[0][j]), fields[1][j], int(fields[2][j]))]
-            for m in range(wanted[j]):
-                at = j * n + m
-                entries.append((int(top[at]), top[num_lp * n + at], int(top[2 * num_lp * n + at])))
-            out[i] = entries
-        return SamplerOutput(token_ids=token_ids, logprobs=out)
+        packed = torch.cat([x.flatten().double() for x in parts])
+        return PendingSample(tokens, _to_host(packed), num_rows, rows, wanted, n)
 
     # ---------------------------------------------------------------- helpers
 
@@ -286,3 +289,58 @@ class Sampler:
         allocator keeps the pinned block alive until the copy is done)."""
         pin = self.device.type == "cuda"
         return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
+
+
+def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start x's device->host copy; the event marks its end (None on CPU)."""
+    if x.device.type != "cuda":
+        return x, None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+class PendingSample:
+    """A launched sampling step: the ids on the device now, the host results
+    (`result()`) once the copy started by the sampler has landed."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        host: tuple[torch.Tensor, torch.cuda.Event | None],
+        num_rows: int,
+        rows: list[int],
+        wanted: list[int],
+        n: int,
+    ) -> None:
+        self.token_ids = token_ids  # [num_rows] on the device, for the next step's inputs
+        self._host, self._done = host
+        self._num_rows, self._rows, self._wanted, self._n = num_rows, rows, wanted, n
+        self._result: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copy (the step's only sync) and unpack it, once."""
+        if self._result is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._result = self._unpack(self._host.tolist())
+        return self._result
+
+    def _unpack(self, host: list) -> SamplerOutput:
+        num_rows, rows, n = self._num_rows, self._rows, self._n
+        if not rows:
+            return SamplerOutput(token_ids=[int(x) for x in host], logprobs=[None] * num_rows)
+        num_lp = len(rows)
+        token_ids = [int(x) for x in host[:num_rows]]
+        fields = [host[num_rows + k * num_lp : num_rows + (k + 1) * num_lp] for k in range(3)]
+        top = host[num_rows + 3 * num_lp :]
+        out: list[list[TokenLogprob] | None] = [None] * num_rows
+        for j, i in enumerate(rows):
+            entries = [(int(fields[0][j]), fields[1][j], int(fields[2][j]))]
+            for m in range(self._wanted[j]):
+                at = j * n + m
+                entries.append((int(top[at]), top[num_lp * n + at], int(top[2 * num_lp * n + at])))
+            out[i] = entries
+        return SamplerOutput(token_ids=token_ids, logprobs=out)
