@@ -68,6 +68,20 @@ def packed_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: An
     param.data.narrow(0, start, size).copy_(loaded)
 
 
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear; on CUDA, a one-row input (batch-1 decode) goes through the
+    skinny GEMV kernel, which streams the weight near HBM bandwidth
+    (kernels/gemv.py; TINYENGINE_SKINNY_GEMM=0 turns it off). Imported lazily:
+    triton stays unloaded on CPU."""
+    if x.is_cuda:
+        from kernels.gemv import linear
+
+        return linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b with W [output_size, input_size]; parameters carry a
     weight_loader. Parallel variants differ only in how they shard."""
@@ -88,7 +102,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
     def _pack(self, shard_sizes: dict[Any, int]) -> None:
         """Declare that the output rows are several checkpoint tensors stacked."""
@@ -173,7 +187,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     input embedding (tie_word_embeddings)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight)
+        return _linear(hidden_states, self.weight)
 
 
 class RMSNorm(nn.Module):

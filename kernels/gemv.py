@@ -1,0 +1,314 @@
+"""Skinny GEMM (GEMV for M == 1): y = x W^T + b for a handful of rows, the
+decode-time shape of every linear layer. A torch reference and a Triton kernel
+with the same signature:
+
+    skinny_linear_*(x [M, K], weight [N, K], bias [N] | None, out=None) -> [M, N]
+
+At M <= 8 a linear layer is a pure weight stream: 2*N*K bytes of weight against
+~2*M*N*K FLOPs. cuBLAS picks tensor-core GEMM tiles meant for large M and reads
+the weight at ~60% of HBM bandwidth; this kernel gives each program BLOCK_N
+weight rows, walks K in BLOCK_K-wide coalesced chunks (the x chunk is loaded
+once per step for all M rows, M padded to a constexpr power of two), and
+accumulates in fp32. Two inner loops, picked per config:
+
+  - FMA   (M == 1 only): a [BLOCK_N, BLOCK_K] fp32 accumulator of products,
+          reduced across K once at the end (no per-step shuffles); with
+          num_stages >= 2 the weight loads are cp.async-pipelined through
+          shared memory, with 1 they are plain 16-byte register loads.
+  - DOT   (any M <= 8): tl.dot(W tile [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])
+          ("swap AB": the weight is the MMA's A operand, x padded to 16 rows),
+          the loads software-pipelined over num_stages.
+          Under TRITON_INTERPRET=1 the tiles are upcast to fp32 before the dot
+          (the interpreter computes bf16 dots wrongly).
+
+CUDA-graph safe: no host syncs, nothing allocated but the output, the grid
+and the config come from host ints only (shapes and the SM count), and a model
+needs few compiled variants (one per config x dtype; N and K are runtime
+args), all compiled during the engine's warmup of each decode batch size.
+
+`linear(x, weight, bias)` is the dispatcher the model layers call on CUDA:
+the kernel when `skinny_linear_ok` holds, F.linear otherwise.
+`TINYENGINE_SKINNY_GEMM=0` (read at import) turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("TINYENGINE_SKINNY_GEMM", "1").strip().lower() not in (
+    "0",
+    "false",
+    "no",
+    "off",
+)
+MAX_M = 8
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: tests only
+_DISPATCH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows (output columns) per program
+    block_k: int  # K elements per loop step
+    num_warps: int
+    num_stages: int  # 1: no software pipelining (FMA: plain register loads)
+    use_dot: bool  # DOT inner loop (any M) vs FMA (M == 1 only)
+    reduce_each_step: bool = False  # FMA only: [BLOCK_N] accumulator, reduced every step
+
+    def __str__(self) -> str:
+        kind = "dot" if self.use_dot else ("fma-r" if self.reduce_each_step else "fma")
+        return f"{kind} BN={self.block_n} BK={self.block_k} w={self.num_warps} s={self.num_stages}"
+
+
+# ---- Tuning constants (edit these after benchmarks/bench_gemv.py's sweep) ----
+# Default for M == 1 (batch-1 decode).
+M1_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+# Default for 2 <= M <= 8 (tl.dot needs BLOCK_N >= 16).
+MN_CONFIG = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4, use_dot=True)
+# Per-shape overrides, keyed (m_bucket, N, K) with m_bucket 1 for M == 1 and 8
+# for 2 <= M <= 8 (those must have use_dot=True); e.g.
+# {(1, 4096, 14336): GemvConfig(4, 1024, 4, 3, False)}. Overrides are used as-is.
+SHAPE_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# Halve BLOCK_N (down to the minimum below) until there are at least this many
+# programs per SM, so small-N shapes still fill the GPU.
+MIN_PROGRAMS_PER_SM = 2
+MIN_BLOCK_N_FMA = 2
+MIN_BLOCK_N_DOT = 16
+# ------------------------------------------------------------------------------
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # interpreter: any grid is fine
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """The config for one problem, from host ints only (graph-capture safe)."""
+    cfg = SHAPE_CONFIGS.get((1 if m == 1 else 8, n, k))
+    if cfg is None:
+        cfg = M1_CONFIG if m == 1 else MN_CONFIG
+        min_bn = MIN_BLOCK_N_DOT if cfg.use_dot else MIN_BLOCK_N_FMA
+        bn = cfg.block_n
+        while bn > min_bn and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:
+            bn //= 2
+        if bn != cfg.block_n:
+            cfg = dataclasses.replace(cfg, block_n=bn)
+    return cfg
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Everything but the device and the switch: shapes, dtypes, layouts."""
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and 1 <= x.shape[0] <= MAX_M
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] > 0
+        and x.dtype in _DISPATCH_DTYPES
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and x.stride(1) == 1
+        and x.device == weight.device
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and (
+            bias is None
+            or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()
+                and bias.shape[0] == weight.shape[0] and bias.device == x.device)
+        )
+    )  # fmt: skip
+
+
+# The dispatcher uses the kernel for one row only. Measured on the H200
+# (benchmarks/bench_gemv.py, Llama-3-8B shapes): at M = 1 it reads the weight
+# at 3.4-3.6 TB/s where cuBLAS reaches 2.5-3.3 (per-token linear time 3.93 ->
+# 3.64 ms); at M = 2..8 the DOT loop lost to cuBLAS (4.1 -> 4.8 ms), so those
+# stay on F.linear until that loop is tuned.
+DISPATCH_MAX_M = 1
+
+
+def skinny_linear_ok(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
+    """Use the Triton kernel? On CUDA, switch on, 2-D x with one row
+    (DISPATCH_MAX_M), bf16/fp16, contiguous weight of the same dtype;
+    otherwise the caller uses F.linear."""
+    return (
+        ENABLED
+        and x.is_cuda
+        and weight.is_cuda
+        and x.dim() == 2
+        and x.shape[0] <= DISPATCH_MAX_M
+        and _eligible(x, weight, bias)
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the skinny kernel where it applies."""
+    if skinny_linear_ok(x, weight, bias):
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def skinny_linear_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: fp32 math, rounded once to x.dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(N, BLOCK_N),): program p computes out[:, p*BLOCK_N : +BLOCK_N]
+    over the whole K. Rows past N are wrapped (not masked) so weight loads stay
+    unmasked along N; only the store is masked."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        rows = offs_n
+    else:
+        rows = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    m_mask = offs_m[:, None] < M
+
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
+            else:
+                k_mask = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+                xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
+            if UPCAST:  # the interpreter computes bf16 dots wrongly; fp32 is exact
+                w = w.to(tl.float32)
+                xk = xk.to(tl.float32)
+            acc = tl.dot(w, tl.trans(xk), acc, input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        res = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        # M == 1 (BLOCK_M == 1): elementwise products into a 2-D accumulator,
+        # one cross-thread reduction at the very end (or, REDUCE_EACH_STEP, a
+        # [BLOCK_N] accumulator: fewer registers, a reduction per step).
+        if REDUCE_EACH_STEP:
+            acc2 = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+        else:
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        x_row = x_ptr + offs_k
+        # The FMA loop is software-pipelined (cp.async into shared memory) only
+        # when asked explicitly: LOOP_STAGES == 1 keeps plain register loads.
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                xk = tl.load(x_row)
+            else:
+                k_mask = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+                xk = tl.load(x_row, mask=k_mask, other=0.0)
+            prod = w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            if REDUCE_EACH_STEP:
+                acc2 += tl.sum(prod, axis=1, keep_dims=True)
+            else:
+                acc2 += prod
+            w_ptrs += BLOCK_K
+            x_row += BLOCK_K
+        res = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)
+        res += b.to(tl.float32)[None, :]
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """y = x W^T + b for x [M <= 8, K]; `config` overrides the tuned choice
+    (benchmarks sweep through it)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"skinny_linear: need x [M, K], weight [N, K]; got {tuple(x.shape)}, "
+            f"{tuple(weight.shape)}"
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"skinny_linear: M must be in 1..{MAX_M}, got {m}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"skinny_linear: dtypes {x.dtype}, {weight.dtype} unsupported")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("skinny_linear: x and weight need a contiguous last dim")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"skinny_linear: bias must be contiguous [{n}]")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"skinny_linear: out must be [{m}, {n}] with a contiguous last dim")
+    if n == 0:
+        return out
+
+    cfg = config if config is not None else pick_config(m, n, k, _num_sms(x.device))
+    use_dot = cfg.use_dot
+    if not use_dot and m != 1:
+        raise ValueError("skinny_linear: the FMA config serves M == 1 only")
+    block_m = 16 if use_dot else 1  # tl.dot's smallest N
+    block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
+    block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
+    grid = (triton.cdiv(n, block_n),)
+    _skinny_gemm_kernel[grid](
+        x, weight, bias if bias is not None else weight, out,
+        m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
+        USE_DOT=use_dot, REDUCE_EACH_STEP=cfg.reduce_each_step and not use_dot,
+        LOOP_STAGES=cfg.num_stages, UPCAST=_interpreting(),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or _interpreting() else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

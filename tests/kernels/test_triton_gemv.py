@@ -1,0 +1,199 @@
+"""Triton skinny GEMM (kernels/gemv.py) vs fp32 math, and the dispatch
+predicate that decides when the model layers use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.gemv as gemv
+from kernels.gemv import GemvConfig, pick_config, skinny_linear, skinny_linear_torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}
+
+FMA_SMALL = GemvConfig(block_n=4, block_k=64, num_warps=4, num_stages=2, use_dot=False)
+FMA_R_SMALL = GemvConfig(8, 64, 4, 2, use_dot=False, reduce_each_step=True)
+DOT_SMALL = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, use_dot=True)
+
+
+def _problem(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000 + m * 100 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    ref = x.float() @ w.float().T
+    if b is not None:
+        ref = ref + b.float()
+    return x, w, b, ref
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = TOL[dtype]
+    err = (out.float() - ref).abs().max().item()
+    assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), f"max abs err {err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(200, 256), (48, 64), (129, 100), (64, 250)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_default_config(
+    dtype: torch.dtype, m: int, n: int, k: int, bias: bool
+) -> None:
+    x, w, b, ref = _problem(m, n, k, dtype, bias)
+    _check(skinny_linear(x, w, b), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [FMA_SMALL, FMA_R_SMALL, DOT_SMALL], ids=str)
+@pytest.mark.parametrize("n,k", [(200, 256), (77, 200), (48, 64)])  # tails in N and K
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_m1_configs(
+    dtype: torch.dtype, cfg: GemvConfig, n: int, k: int, bias: bool
+) -> None:
+    """M == 1 through both inner loops, with several K steps and tails."""
+    x, w, b, ref = _problem(1, n, k, dtype, bias)
+    _check(skinny_linear(x, w, b, config=cfg), ref, dtype)
+
+
+@pytest.mark.parametrize("m", [2, 7])
+def test_skinny_linear_strided_x_and_out(m: int) -> None:
+    """x rows with a stride (a slice of a wider buffer) and a caller-given out."""
+    dtype = torch.bfloat16
+    x_wide, w, b, _ = _problem(m, 96, 192, dtype, True)
+    x = x_wide[:, :160]  # stride(0) 192, stride(1) 1
+    w = w[:, :160].contiguous()
+    ref = x.float() @ w.float().T + b.float()
+    out_wide = torch.zeros(m, 128, dtype=dtype, device=DEVICE)
+    out = out_wide[:, :96]
+    res = skinny_linear(x, w, b, out=out, config=DOT_SMALL)
+    assert res.data_ptr() == out.data_ptr()
+    _check(out, ref, dtype)
+    assert (out_wide[:, 96:] == 0).all()  # nothing written past N
+
+
+def test_reference_matches_f_linear() -> None:
+    x, w, b, _ = _problem(3, 40, 32, torch.float32, True)
+    assert torch.allclose(skinny_linear_torch(x, w, b), F.linear(x, w, b), atol=1e-5)
+
+
+def test_fma_config_rejects_m_above_1() -> None:
+    x, w, _, _ = _problem(2, 32, 64, torch.float32, False)
+    with pytest.raises(ValueError):
+        skinny_linear(x, w, config=FMA_SMALL)
+
+
+@pytest.mark.parametrize("m", [0, 9])
+def test_skinny_linear_rejects_bad_m(m: int) -> None:
+    x = torch.randn(m, 64, device=DEVICE)
+    with pytest.raises(ValueError):
+        skinny_linear(x, torch.randn(32, 64, device=DEVICE))
+
+
+def test_pick_config_host_only() -> None:
+    """Llama-3-8B shapes on 132 SMs: enough programs per SM, BLOCK_N floors kept."""
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
+        for m in (1, 2, 8):
+            cfg = pick_config(m, n, k, 132)
+            assert cfg.block_n >= (16 if cfg.use_dot else 1)
+            if m > 1:
+                assert cfg.use_dot  # the FMA loop serves M == 1 only
+            if cfg.block_n > (gemv.MIN_BLOCK_N_DOT if cfg.use_dot else gemv.MIN_BLOCK_N_FMA):
+                assert -(-n // cfg.block_n) >= gemv.MIN_PROGRAMS_PER_SM * 132
+
+
+# --- dispatch ------------------------------------------------------------------
+
+
+def _args(m=1, k=64, n=32, dtype=torch.bfloat16, bias=False):
+    x = torch.randn(m, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_eligible_accepts(m: int, dtype: torch.dtype, bias: bool) -> None:
+    assert gemv._eligible(*_args(m=m, dtype=dtype, bias=bias))
+
+
+def test_eligible_rejects() -> None:
+    x, w, b = _args(bias=True)
+    assert not gemv._eligible(*_args(m=9))  # too many rows: cuBLAS
+    assert not gemv._eligible(*_args(m=0))
+    assert not gemv._eligible(*_args(dtype=torch.float32))  # only bf16/fp16 dispatch
+    assert not gemv._eligible(x, w.half(), None)  # mixed dtypes
+    assert not gemv._eligible(x.unsqueeze(0), w, None)  # 3-D x
+    assert not gemv._eligible(x, w.t().contiguous().t(), None)  # non-contiguous weight
+    assert not gemv._eligible(torch.randn(64, 2, dtype=x.dtype).t(), w, None)  # x.stride(1) != 1
+    assert not gemv._eligible(x, w, b.float())  # bias dtype
+    assert not gemv._eligible(x, w[:, :32].contiguous(), None)  # K mismatch
+
+
+def test_dispatch_falls_back_on_cpu() -> None:
+    """On CPU the predicate is False even for an eligible problem, and the layers
+    never import the kernel module's path: they call F.linear directly."""
+    x, w, b = _args(m=1, bias=True)
+    assert gemv._eligible(x, w, b)
+    assert not gemv.skinny_linear_ok(x, w, b)
+    assert torch.equal(gemv.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_dispatch_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemv, "ENABLED", False)
+    assert not gemv.skinny_linear_ok(*_args())
+
+
+def test_dispatch_uses_kernel_when_predicate_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear() routes through skinny_linear exactly when the predicate holds."""
+    calls: list[tuple[int, ...]] = []
+    real = gemv.skinny_linear
+
+    def spy(x, w, b=None, out=None, **kw):
+        calls.append(tuple(x.shape))
+        return real(x, w, b, out, **kw)
+
+    monkeypatch.setattr(gemv, "skinny_linear", spy)
+    monkeypatch.setattr(gemv, "skinny_linear_ok", lambda x, w, b=None: gemv._eligible(x, w, b))
+    x, w, b = _args(m=3, k=64, n=48, bias=True)
+    out = gemv.linear(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE))
+    assert calls == [(3, 64)]
+    ref = x.float() @ w.float().T + b.float()
+    _check(out, ref.to(DEVICE), torch.bfloat16)
+    x9, w9, _ = _args(m=9)
+    gemv.linear(x9, w9)  # ineligible: F.linear, no kernel call
+    assert calls == [(3, 64)]
+
+
+def test_layers_use_f_linear_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from models.layers import ParallelLMHead, QKVParallelLinear
+
+    def boom(*a, **kw):
+        raise AssertionError("kernel must not run on CPU")
+
+    monkeypatch.setattr(gemv, "skinny_linear", boom)
+    qkv = QKVParallelLinear(64, 16, 4, 2, bias=True)
+    torch.nn.init.normal_(qkv.weight)
+    torch.nn.init.normal_(qkv.bias)
+    x = torch.randn(2, 64)
+    assert torch.equal(qkv(x), F.linear(x, qkv.weight, qkv.bias))
+    head = ParallelLMHead(100, 64)
+    torch.nn.init.normal_(head.weight)
+    assert torch.equal(head(x), F.linear(x, head.weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (128256, 4096)])
+def test_gpu_llama8b_shapes(m: int, n: int, k: int) -> None:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    assert gemv.skinny_linear_ok(x, w) == (m <= gemv.DISPATCH_MAX_M)
+    out = skinny_linear(x, w)
+    ref = x.float() @ w.float().T
+    assert torch.allclose(out.float(), ref, rtol=2**-6, atol=2**-6)
