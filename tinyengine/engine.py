@@ -272,8 +272,8 @@ class LLMEngine:
                 continue
             row += 1
             state = self.states.get(sched.request.request_id)
-            if state is None or state.request.is_finished:
-                continue  # aborted, or finished before this token: dropped
+            if state is None or state.request is not sched.request or state.request.is_finished:
+                continue  # aborted (its id maybe reused since), or finished earlier: dropped
             if state.logprobs is not None and sampled is not None:
                 state.logprobs.append(self._logprobs(sampled.logprobs[row - 1]))
             self._process_token(state, token_id)

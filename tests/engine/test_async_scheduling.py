@@ -106,3 +106,26 @@ def test_abort_while_a_step_is_in_flight(path):
     assert all(len(o.outputs[0].token_ids) == 20 for o in finished.values())
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_request_id_reused_while_the_aborted_one_is_in_flight(path):
+    """An id freed by abort may be reused at once; the old request's token,
+    still in flight, must not land in the new request."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = LLM(path, dtype="float32", max_model_len=96, print_startup_report=False)
+    (want,) = alone.generate([PROMPTS[3]], params, use_tqdm=False)
+
+    llm = LLM(path, dtype="float32", max_model_len=96, print_startup_report=False)
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], params, request_id="x")
+    engine.step()
+    engine.step()  # "x" is decoding, a step of it in flight
+    assert engine._inflight is not None
+    engine.abort_request("x")
+    engine.add_request(PROMPTS[3], params, request_id="x")
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "x"
+            final = out if out.finished else final
+    assert final is not None and final.outputs[0].token_ids == want.outputs[0].token_ids
