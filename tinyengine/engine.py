@@ -81,7 +81,7 @@ class LLMEngine:
         self._inflight: tuple[Any, Any] | None = None
         self._profiler = None  # a StepProfiler when config.profile_steps
         if config.profile_steps:
-            from tinyengine.tools.step_profile import StepProfiler
+            from tinyengine.worker.step_profile import StepProfiler
 
             self._profiler = StepProfiler(self.runner.device)
         self.runner.profiler = self._profiler
@@ -343,7 +343,7 @@ class LLMEngine:
         """Phase times of the steps since startup (or the last reset) with at
         least `min_batch_size` rows: totals, per_step means, host_s and
         host_fraction_of_gpu, overall and by_kind (decode / prefill); the keys
-        and what each phase spans are in tinyengine/tools/step_profile.py."""
+        and what each phase spans are in tinyengine/worker/step_profile.py."""
         if self._profiler is None:
             raise ValueError("step profiling is off; build the engine with profile_steps=True")
         return self._profiler.summary(min_batch_size)
