@@ -13,7 +13,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "tinyengine.engine",
+    "LLM": "tinyengine.llm",
     "LLMEngine": "tinyengine.engine",
     "EngineConfig": "tinyengine.config",
     "SamplingParams": "tinyengine.sampling_params",

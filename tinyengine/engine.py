@@ -1,4 +1,4 @@
-"""LLMEngine and LLM: the engine loop, and the offline `LLM.generate` API.
+"""LLMEngine: the engine loop (the offline `LLM` API wraps it, in llm.py).
 
 Owns the life of a request from its arrival to its final output: validation
 and tokenization on the way in; per step, scheduler -> runner -> scheduler
@@ -8,17 +8,14 @@ One step reads top-down in `LLMEngine.step`.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from kernels import jit_monitor
 from models.loader import load_hf_config
@@ -369,88 +366,6 @@ class LLMEngine:
             "workspace_growths": self.runner.workspace.stats.num_growths,
             "captured_graph_sizes": self.startup.report.captured_sizes,
         }
-
-
-class LLM:
-    """Offline inference, as in vLLM: `LLM(model, **engine_options).generate(prompts, params)`."""
-
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
-
-    def get_tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
-                    "pass one, or one per prompt"
-                )
-        engine = self.engine
-        ids: list[str] = []
-        try:
-            for prompt, params in zip(prompts, params_list, strict=True):
-                # Only finished outputs are returned, so ask for nothing else
-                # (on a copy: the caller's params stay as given).
-                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(engine.add_request(prompt, params))
-        except Exception:
-            for request_id in ids:  # all or nothing: no half-submitted batch left behind
-                engine.abort_request(request_id)
-            raise
-
-        final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        final[output.request_id] = output
-                        bar.update(1)
-        return [final[request_id] for request_id in ids]
-
-    def chat(
-        self,
-        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of
-        them) and generate."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts: list[PromptType] = [
-            {"prompt_token_ids": tokenizer.apply_chat_template(c, tokenize=True)}
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-    def startup_report(self) -> StartupReport:
-        return self.engine.startup.report
-
-    def step_profile(self, min_batch_size: int = 1) -> dict[str, Any]:
-        return self.engine.step_profile(min_batch_size)
-
-    def reset_step_profile(self) -> None:
-        self.engine.reset_step_profile()
 
 
 def _eos_token_ids_from_config(model_path: str, hf_config: dict[str, Any]) -> set[int]:

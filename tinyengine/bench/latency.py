@@ -219,7 +219,7 @@ def _run(args: argparse.Namespace) -> int:
     bandwidth = read_bandwidth(device, args.bandwidth_gib, args.bandwidth_gbps)
     result["bandwidth"] = bandwidth
 
-    from tinyengine.engine import LLM
+    from tinyengine.llm import LLM
 
     llm = LLM(folder, **kwargs)
     check_kv_capacity(llm, batch_sizes, args)

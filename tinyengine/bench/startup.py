@@ -47,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
         engine = common.resolve_engine(folder, kwargs)
         result["hf"] = hf_startup(folder, engine.dtype, engine.device)
 
-    from tinyengine.engine import LLM
+    from tinyengine.llm import LLM
 
     start = time.perf_counter()
     llm = LLM(folder, **kwargs)

@@ -214,7 +214,7 @@ def _run(args: argparse.Namespace) -> int:
                 args.hf_batch_size, args.seed,
             )  # fmt: skip
 
-    from tinyengine.engine import LLM
+    from tinyengine.llm import LLM
 
     start = time.perf_counter()
     llm = LLM(folder, **kwargs)
