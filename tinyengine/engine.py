@@ -383,3 +383,13 @@ def _eos_token_ids_from_config(model_path: str, hf_config: dict[str, Any]) -> se
         elif isinstance(eos, list):
             ids.update(int(t) for t in eos)
     return ids
+
+
+def __getattr__(name: str) -> Any:
+    # `from tinyengine.engine import LLM` kept working when LLM moved to llm.py
+    # (imported lazily: llm.py imports this module).
+    if name == "LLM":
+        from tinyengine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
