@@ -94,6 +94,6 @@ def _moe_token_counts(model: torch.nn.Module, max_tokens: int) -> list[int]:
               for m in model.modules() if isinstance(m, DeepseekMoE)}  # fmt: skip
     if not shapes:
         return []
-    from kernels.triton_moe import moe_token_classes  # imports triton: only for MoE models
+    from kernels.moe_tiles import moe_token_classes
 
     return sorted({t for k, e in shapes for t in moe_token_classes(max_tokens, k, e)})
