@@ -25,11 +25,11 @@ compile or launch (out of shared memory, ...) prints `fail` and the sweep
 goes on. Owns no kernel code: it only passes mla_decode's override kwargs.
 
 Reading it: the `best per shape` table is what to set the defaults from:
-_HEADS_PER_PROGRAM / _BLOCK_N / _NUM_STAGES / _warps_for / defer_pv /
-_LAZY_RESCALE in kernels/triton_mla.py from the tile that wins (or is within
-a few % on) the H=128 shapes, and the split cost model's constants
-(_ASSUMED_TFLOPS, _RESIDENT_PROGRAMS, ...) from whether `heur S` matches
-`best S`.
+_HEADS_PER_PROGRAM / _BLOCK_N / _NUM_STAGES / _warps_for in
+kernels/mla_tiles.py (and defer_pv / _LAZY_RESCALE in kernels/triton_mla.py)
+from the tile that wins (or is within a few % on) the H=128 shapes, and the
+split cost model's constants in kernels/mla_tiles.py (_ASSUMED_TFLOPS,
+_RESIDENT_PROGRAMS, ...) from whether `heur S` matches `best S`.
 """
 
 from __future__ import annotations

@@ -51,13 +51,13 @@ default is the chained loop and the deferred one stays an override.
 
 Tunables (defaults set from that sweep, which times a grid of them per shape
 and prints the heuristic's pick next to the best):
-  - _HEADS_PER_PROGRAM: BLOCK_H per head count (64 for 64+ heads, else 32/16);
-  - _BLOCK_N, _NUM_STAGES, and num_warps (_warps_for: 8 for a [64, 512] tile);
-  - defer_pv: the deferred loop (off by default; see above);
-  - _LAZY_RESCALE: rescale the accumulator only when a row's running max grows
-    by more than _RESCALE_THRESHOLD (log2 units), instead of every tile;
-  - the split cost model: _ASSUMED_TFLOPS, _ASSUMED_HBM_TBS, _SPLIT_LAUNCH_US,
-    _RESIDENT_PROGRAMS (per BLOCK_H), _MIN_SPLIT_TOKENS, MAX_SPLITS.
+  - in kernels/mla_tiles.py: _HEADS_PER_PROGRAM (BLOCK_H per head count),
+    _BLOCK_N, _NUM_STAGES, num_warps (_warps_for: 8 for a [64, 512] tile), and
+    the split cost model (_ASSUMED_TFLOPS, _ASSUMED_HBM_TBS, _SPLIT_LAUNCH_US,
+    _RESIDENT_PROGRAMS, _MIN_SPLIT_TOKENS, MAX_SPLITS);
+  - here: defer_pv, the deferred loop (off by default; see above), and
+    _LAZY_RESCALE: rescale the accumulator only when a row's running max grows
+    by more than _RESCALE_THRESHOLD (log2 units), instead of every tile.
 
 Compiled variants. The tile shape depends only on (num_heads, latent_dim),
 constant for a model, and num_splits is a runtime argument
@@ -75,36 +75,27 @@ interpreter computes bf16 math wrongly.
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.mla_tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: tests read them here)
+    _MIN_SPLIT_TOKENS,
+    MAX_SPLITS,
+    _block_h_for,
+    _num_splits_for,
+    _warps_for,
+    mla_config,
+)
 from kernels.triton_attention import LOG2E, _interpreting, _num_sms
 
-# --- tile shape (per model: depends on num_heads and latent_dim only)
-# (min heads, BLOCK_H): the first row whose min the head count reaches.
-_HEADS_PER_PROGRAM = ((64, 64), (32, 32), (0, 16))
-# BLOCK_N per BLOCK_H (H200 sweep: 64 heads x 64 rows best for 128 heads; 16 x 32 for 16).
-_BLOCK_N = {64: 64, 32: 32, 16: 32}
-_NUM_STAGES = 2
 _LAZY_RESCALE = True
 # A running max may lag the true one by up to this much (log2 units) before the
 # accumulator is rescaled: softmax weights then reach 2^8, harmless in fp32 and
 # in bf16 (whose relative precision does not depend on magnitude).
 _RESCALE_THRESHOLD = 8.0
-
-# --- split count: a small cost model over host ints (per-GPU constants, H200)
-_ASSUMED_TFLOPS = 400.0  # achieved bf16 MMA rate of the split kernel, whole GPU
-_ASSUMED_HBM_TBS = 4.0  # achieved HBM bandwidth
-_SPLIT_LAUNCH_US = 3.0  # the reduce launch and its tail
-# Programs one SM holds at once, per BLOCK_H (shared memory / registers bound).
-_RESIDENT_PROGRAMS = {16: 2, 32: 2, 64: 1}
-_MIN_SPLIT_TOKENS = 64  # never cut a context into splits shorter than this
-MAX_SPLITS = 64
 _REDUCE_CHUNK = 4  # splits the reduce merges per step ([4, 512] fp32 per program)
 
 
@@ -324,67 +315,6 @@ def _mla_reduce_kernel(
     out = acc / tl.where(total == 0.0, 1.0, total)
     o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_l
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=l_ok)
-
-
-# ----------------------------------------------------------------------------- heuristics
-
-
-def _block_h_for(num_heads: int) -> int:
-    return next(bh for least, bh in _HEADS_PER_PROGRAM if num_heads >= least)
-
-
-def _warps_for(block_h: int, latent_dim: int) -> int:
-    """4 warps, 8 once the fp32 accumulator passes [32, 512] (128 regs/thread)."""
-    return 8 if block_h * max(16, triton.next_power_of_2(latent_dim)) > 32 * 512 else 4
-
-
-def _split_cost_us(
-    splits: int, num_seqs: int, num_heads: int, block_h: int, latent_dim: int,
-    max_seq_len: int, slots: int,
-) -> float:  # fmt: skip
-    """Modelled microseconds for the split kernel plus the partials' round trip:
-    waves of programs, each program bound by its share of the GPU's MMA rate or
-    of its HBM bandwidth, whichever is slower (the rope width is taken as L/8)."""
-    width = latent_dim + max(1, latent_dim // 8)
-    tokens = max_seq_len / splits
-    flops = tokens * block_h * (latent_dim + width) * 2
-    cache_bytes = tokens * width * 2
-    prog_us = max(
-        flops / (_ASSUMED_TFLOPS * 1e6 / slots), cache_bytes / (_ASSUMED_HBM_TBS * 1e6 / slots)
-    )
-    programs = num_seqs * triton.cdiv(num_heads, block_h) * splits
-    cost = math.ceil(programs / slots) * prog_us
-    if splits > 1:  # fp32 partials written, then read by the reduce
-        part_bytes = num_seqs * num_heads * splits * (latent_dim + 1) * 4 * 2
-        cost += part_bytes / (_ASSUMED_HBM_TBS * 1e6) + _SPLIT_LAUNCH_US
-    return cost
-
-
-def _num_splits_for(
-    num_seqs: int, num_heads: int, block_h: int, latent_dim: int, max_seq_len: int, num_sms: int
-) -> int:
-    most = max(1, min(MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
-    slots = num_sms * _RESIDENT_PROGRAMS.get(block_h, 1)
-    costs = [
-        _split_cost_us(s, num_seqs, num_heads, block_h, latent_dim, max_seq_len, slots)
-        for s in range(1, most + 1)
-    ]
-    best = min(costs)
-    # The fewest splits within 3% of the best: fewer partials, same time.
-    return next(s for s, c in enumerate(costs, start=1) if c <= best * 1.03)
-
-
-@functools.lru_cache(maxsize=4096)
-def mla_config(
-    num_seqs: int, num_heads: int, latent_dim: int, max_seq_len: int, num_sms: int
-) -> tuple[int, int, int, int, int]:
-    """(block_h, block_n, num_warps, num_stages, num_splits) from host ints only,
-    so a CUDA graph captured for a batch size stays valid for any seq_lens up
-    to max_seq_len. The tile shape depends on (num_heads, latent_dim) alone;
-    only num_splits (a runtime argument) follows the batch and the context."""
-    block_h = _block_h_for(num_heads)
-    num_splits = _num_splits_for(num_seqs, num_heads, block_h, latent_dim, max_seq_len, num_sms)
-    return block_h, _BLOCK_N[block_h], _warps_for(block_h, latent_dim), _NUM_STAGES, num_splits
 
 
 # ----------------------------------------------------------------------------- launchers

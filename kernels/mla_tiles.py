@@ -1,0 +1,88 @@
+"""MLA decode tile choice for kernels/triton_mla.py: heads per program
+(BLOCK_H), rows per tile, warps, stages, and the split count from a small cost
+model. Host ints only (no device reads), so a CUDA graph captured for a batch
+size stays valid for any context; the tile shape depends on (num_heads,
+latent_dim) alone, so a model compiles one split kernel (two: S = 1 writes the
+output directly). Values set from the H200 sweep (benchmarks/sweep_mla.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import triton
+
+# --- tile shape (per model: depends on num_heads and latent_dim only)
+# (min heads, BLOCK_H): the first row whose min the head count reaches.
+_HEADS_PER_PROGRAM = ((64, 64), (32, 32), (0, 16))
+# BLOCK_N per BLOCK_H (H200 sweep: 64 heads x 64 rows best for 128 heads; 16 x 32 for 16).
+_BLOCK_N = {64: 64, 32: 32, 16: 32}
+_NUM_STAGES = 2
+
+# --- split count: a small cost model over host ints (per-GPU constants, H200)
+_ASSUMED_TFLOPS = 400.0  # achieved bf16 MMA rate of the split kernel, whole GPU
+_ASSUMED_HBM_TBS = 4.0  # achieved HBM bandwidth
+_SPLIT_LAUNCH_US = 3.0  # the reduce launch and its tail
+# Programs one SM holds at once, per BLOCK_H (shared memory / registers bound).
+_RESIDENT_PROGRAMS = {16: 2, 32: 2, 64: 1}
+_MIN_SPLIT_TOKENS = 64  # never cut a context into splits shorter than this
+MAX_SPLITS = 64
+
+
+def _block_h_for(num_heads: int) -> int:
+    return next(bh for least, bh in _HEADS_PER_PROGRAM if num_heads >= least)
+
+
+def _warps_for(block_h: int, latent_dim: int) -> int:
+    """4 warps, 8 once the fp32 accumulator passes [32, 512] (128 regs/thread)."""
+    return 8 if block_h * max(16, triton.next_power_of_2(latent_dim)) > 32 * 512 else 4
+
+
+def _split_cost_us(
+    splits: int, num_seqs: int, num_heads: int, block_h: int, latent_dim: int,
+    max_seq_len: int, slots: int,
+) -> float:  # fmt: skip
+    """Modelled microseconds for the split kernel plus the partials' round trip:
+    waves of programs, each program bound by its share of the GPU's MMA rate or
+    of its HBM bandwidth, whichever is slower (the rope width is taken as L/8)."""
+    width = latent_dim + max(1, latent_dim // 8)
+    tokens = max_seq_len / splits
+    flops = tokens * block_h * (latent_dim + width) * 2
+    cache_bytes = tokens * width * 2
+    prog_us = max(
+        flops / (_ASSUMED_TFLOPS * 1e6 / slots), cache_bytes / (_ASSUMED_HBM_TBS * 1e6 / slots)
+    )
+    programs = num_seqs * triton.cdiv(num_heads, block_h) * splits
+    cost = math.ceil(programs / slots) * prog_us
+    if splits > 1:  # fp32 partials written, then read by the reduce
+        part_bytes = num_seqs * num_heads * splits * (latent_dim + 1) * 4 * 2
+        cost += part_bytes / (_ASSUMED_HBM_TBS * 1e6) + _SPLIT_LAUNCH_US
+    return cost
+
+
+def _num_splits_for(
+    num_seqs: int, num_heads: int, block_h: int, latent_dim: int, max_seq_len: int, num_sms: int
+) -> int:
+    most = max(1, min(MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
+    slots = num_sms * _RESIDENT_PROGRAMS.get(block_h, 1)
+    costs = [
+        _split_cost_us(s, num_seqs, num_heads, block_h, latent_dim, max_seq_len, slots)
+        for s in range(1, most + 1)
+    ]
+    best = min(costs)
+    # The fewest splits within 3% of the best: fewer partials, same time.
+    return next(s for s, c in enumerate(costs, start=1) if c <= best * 1.03)
+
+
+@functools.lru_cache(maxsize=4096)
+def mla_config(
+    num_seqs: int, num_heads: int, latent_dim: int, max_seq_len: int, num_sms: int
+) -> tuple[int, int, int, int, int]:
+    """(block_h, block_n, num_warps, num_stages, num_splits) from host ints only,
+    so a CUDA graph captured for a batch size stays valid for any seq_lens up
+    to max_seq_len. The tile shape depends on (num_heads, latent_dim) alone;
+    only num_splits (a runtime argument) follows the batch and the context."""
+    block_h = _block_h_for(num_heads)
+    num_splits = _num_splits_for(num_seqs, num_heads, block_h, latent_dim, max_seq_len, num_sms)
+    return block_h, _BLOCK_N[block_h], _warps_for(block_h, latent_dim), _NUM_STAGES, num_splits
