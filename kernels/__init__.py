@@ -26,18 +26,28 @@ class AttentionOps:
     name: str
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # The Llama-family prologue fused with the cache write (kernels/rope_cache.py).
+    rope_write_kv: Callable[..., torch.Tensor]
 
 
 def get_attention_ops(name: str) -> AttentionOps:
     if name == "torch":
-        from kernels import attention
-
-        return AttentionOps("torch", attention.write_kv_cache, attention.paged_attention)
-    if name == "triton":
-        from kernels import triton_attention
+        from kernels import attention, rope_cache
 
         return AttentionOps(
-            "triton", triton_attention.write_kv_cache, triton_attention.paged_attention
+            "torch",
+            attention.write_kv_cache,
+            attention.paged_attention,
+            rope_cache.rope_write_kv_torch,
+        )
+    if name == "triton":
+        from kernels import triton_attention, triton_rope_cache
+
+        return AttentionOps(
+            "triton",
+            triton_attention.write_kv_cache,
+            triton_attention.paged_attention,
+            triton_rope_cache.rope_write_kv_triton,
         )
     raise ValueError(
         f"unknown attention backend {name!r}; choose one of {list(ATTENTION_BACKENDS)}"

@@ -237,13 +237,24 @@ class SiluAndMul(nn.Module):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def of_linear(self, gate_up: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """self(gate_up(x)); on CUDA a one-row x (batch-1 decode) runs as one
+        GEMV launch with the activation in its epilogue (kernels/gemv.py)."""
+        if x.is_cuda:
+            from kernels.gemv import linear_silu_mul
+
+            return linear_silu_mul(x, gate_up.weight, gate_up.bias)
+        return self(gate_up(x))
+
 
 class PagedAttention(nn.Module):
     """Writes this layer's new K/V into the paged cache, then attends over it.
 
-    q [T, Hq, D], k/v [T, Hkv, D] already have RoPE applied; returns
-    [T, Hq, Dv]. The op set (torch reference or Triton) and the cache come from
-    the ForwardContext, so the same module serves every backend.
+    forward: q [T, Hq, D], k/v [T, Hkv, D] already have RoPE applied.
+    forward_rope: q/k before RoPE (the Llama family), rotated on the way into
+    the cache. Both return [T, Hq, Dv]. The op set (torch reference or Triton)
+    and the cache come from the ForwardContext, so the same module serves every
+    backend.
     """
 
     def __init__(
@@ -272,16 +283,46 @@ class PagedAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        k_cache, v_cache = self._kv_cache(ctx)
+        ctx.attention_ops.write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        return self._attend(q, k_cache, v_cache, ctx)
+
+    def forward_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        ctx: ForwardContext,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """forward() for q/k straight out of the projection: the per-head norms
+        (if given), RoPE and the cache write are one op (one kernel on the
+        Triton backend), then attention. q, k, v may be views of a fused qkv."""
+        k_cache, v_cache = self._kv_cache(ctx)
+        q = ctx.attention_ops.rope_write_kv(
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, ctx.attn.slot_mapping,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            1e-6 if q_norm is None else q_norm.eps,
+        )  # fmt: skip
+        return self._attend(q, k_cache, v_cache, ctx)
+
+    def _kv_cache(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layer_idx >= len(ctx.kv_caches):
             raise RuntimeError(
                 f"attention layer {self.layer_idx} has no KV cache: ctx.kv_caches holds "
                 f"{len(ctx.kv_caches)} layers (allocate one (k, v) pair per attention layer)"
             )
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        return ctx.kv_caches[self.layer_idx]
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         attn = ctx.attn
-        ops = ctx.attention_ops
-        ops.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-        return ops.paged_attention(
+        return ctx.attention_ops.paged_attention(
             q,
             k_cache,
             v_cache,

@@ -138,12 +138,11 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            # Qwen3: normalise each head before RoPE (order matters).
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, ctx)
+        # Qwen3's per-head norms (before RoPE: order matters), RoPE, and the
+        # K/V cache write are one op (kernels/rope_cache.py).
+        out = self.attn.forward_rope(
+            q, k, v, positions, self.rotary_emb.cos_sin_cache, ctx, self.q_norm, self.k_norm
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -161,7 +160,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

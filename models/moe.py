@@ -177,7 +177,7 @@ class SwiGLUMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x))
 
 
 class TopkRouter(nn.Module):

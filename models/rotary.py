@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.rope_cache import gather_cos_sin, rotate_neox
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -128,17 +130,5 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rot_dim // 2] each
-        cos = cos.unsqueeze(1).to(q.dtype)  # broadcast over heads
-        sin = sin.unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, passthrough = x[..., : self.rot_dim], x[..., self.rot_dim :]
-        # neox layout: the two halves of the rotated part are the (real, imag)
-        # pairs, not interleaved even/odd lanes.
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        if passthrough.shape[-1] == 0:
-            return rotated
-        return torch.cat([rotated, passthrough], dim=-1)
+        cos, sin = gather_cos_sin(self.cos_sin_cache, positions, q.dtype)
+        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)

@@ -50,6 +50,11 @@ def llama_and_reference(tmp_path_factory):
     return _reference("llama", tmp_path_factory.mktemp("llama-triton"))
 
 
+@pytest.fixture(scope="module")
+def qwen3_and_reference(tmp_path_factory):
+    return _reference("qwen3", tmp_path_factory.mktemp("qwen3-triton"))
+
+
 CONFIGS = {
     "default": {},
     "block16": {"block_size": 16},
@@ -126,7 +131,7 @@ TRITON_CONFIGS = {
 
 @pytest.mark.parametrize("name", list(TRITON_CONFIGS))
 def test_greedy_matches_hf_with_triton_kernels(llama_and_reference, name):
-    """The kernels do not depend on the model family: llama covers them."""
+    """The engine configurations under the Triton kernels, on llama."""
     path, tokens, logprobs = llama_and_reference
     llm, outs = _run(path, attention_backend="triton", **TRITON_CONFIGS[name])
     _assert_matches(outs, tokens, logprobs)
@@ -134,3 +139,12 @@ def test_greedy_matches_hf_with_triton_kernels(llama_and_reference, name):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     if name == "chunked_preempt":
         assert stats["num_preemptions"] > 0
+
+
+def test_qwen3_greedy_matches_hf_with_triton_kernels(qwen3_and_reference):
+    """Qwen3's per-head q/k norms run inside the fused RoPE + cache-write kernel
+    on the Triton backend (kernels/triton_rope_cache.py): one family that uses
+    them, through the same HF comparison."""
+    path, tokens, logprobs = qwen3_and_reference
+    _, outs = _run(path, attention_backend="triton")
+    _assert_matches(outs, tokens, logprobs)
