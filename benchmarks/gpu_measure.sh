@@ -23,6 +23,8 @@ for section in "$@"; do
           lscpu | grep -E "Model name|^CPU\(s\)" ;;
     mla_test) run mla_test 120 python -m pytest -q -x -m gpu -p no:cacheprovider tests/kernels/test_triton_mla.py ;;
     sweep_attn) run sweep_attn 100 python benchmarks/bench_kernels.py --sweep ;;
+    sweep_decode) run sweep_decode 200 python benchmarks/sweep_decode.py --budget 170 ;;
+    rope_test) run rope_test 120 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_rope_cache.py ;;
     sweep_mla) run sweep_mla 140 python benchmarks/sweep_mla.py --json "$out/sweep_mla.json" ;;
     sweep_moe) run sweep_moe 150 python benchmarks/sweep_moe.py --budget 120 ;;
     tp_profile) run tp_profile 150 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \

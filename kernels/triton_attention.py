@@ -433,8 +433,26 @@ def prefill_attention(
     )  # fmt: skip
 
 
-def decode_block_n(head_dim_k: int) -> int:
-    return 32 if triton.next_power_of_2(head_dim_k) > 128 else 64
+def decode_config(
+    num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim_k: int
+) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split-KV decode kernel, from
+    host ints only (a captured graph keeps its config for any context length).
+    Chosen by benchmarks/sweep_decode.py on the H200 (d128, K/V TB/s at
+    batch 256 x 128 / 512 / 1024 tokens; docs/benchmarks.md): a program
+    holds only a [max(16, group), BLOCK_N] score tile, so small programs with
+    2 stages keep more of them resident per SM, which is what short contexts
+    (a few tiles a program: latency-bound) need. 2 query heads per KV head
+    (Qwen3-0.6B): 32/1 warp/2 stages 3.41/4.17/4.31 vs 64/4/3 2.55/3.70/3.98.
+    4 (Llama-3-8B, batch 64 x 512 / 4096): 64/2/2 3.64/4.33 vs 3.32/4.17."""
+    group = num_q_heads // num_kv_heads
+    if triton.next_power_of_2(head_dim_k) > 128:
+        return 32, 4, 2
+    if group <= 2:
+        return 32, 1, 2
+    if group <= 8:
+        return 64, 2, 2
+    return 64, 4, 2
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -455,7 +473,7 @@ def decode_attention(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, *, max_seq_len: int, workspace: Any = None,
     num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 3,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> None:  # fmt: skip
     """Split-KV decode (every q_len <= 1) into `out`; scratch from `workspace`."""
     group = _check_layout(q, k_cache, v_cache)
@@ -466,7 +484,8 @@ def decode_attention(
     num_kv_heads, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
-    block_n = block_n or decode_block_n(head_dim_k)
+    cfg = decode_config(num_seqs, num_q_heads, num_kv_heads, head_dim_k)
+    block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
     direct = num_splits == 1
     if direct:  # no partials: the split kernel writes `out` itself
         part_out = part_lse = out
