@@ -55,6 +55,11 @@ for section in "$@"; do
           kill %1 2>/dev/null ;;
     tp_hf64) run tp_hf64 200 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
           --num-prompts 64 --compare hf --json "$out/tp_hf64.json" ;;
+    lat_proxy) run lat_proxy 300 python -m tinyengine.bench latency --model deepseek-v3-proxy \
+          --batch-sizes 1,64,256 --input-len 128 --output-len 64 --num-iters 2 \
+          --json "$out/lat_proxy.json" ;;
+    tp_hf128) run tp_hf128 420 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
+          --num-prompts 128 --compare hf --json "$out/tp_hf128.json" ;;
     gemv) run gemv 100 python benchmarks/bench_gemv.py ;;
     profile_decode) run profile_decode 100 python benchmarks/profile_decode.py --model qwen3-0.6b-shape ;;
     *) echo "unknown section $section" ;;

@@ -9,6 +9,24 @@ behind an event), so the engine can schedule and launch the next step before
 `PendingSample.result()` waits for it; the sampled ids also stay on the device
 (`PendingSample.token_ids`) for the next step's inputs.
 
+Two implementations of the draw, chosen per sampler (`fused`, default: on CUDA):
+  * CPU (torch): logits.float(), ban, argmax for greedy rows; sampled rows are
+    divided by their temperature, filtered, softmaxed and drawn by an
+    exponential race whose Exp(1) noise (vocab draws per row and step) comes
+    from torch generators. About 8 full passes over a [rows, vocab] fp32 tensor,
+    which is fine on CPU, and what the CPU tests pin down token for token.
+  * Fused (CUDA): one Triton kernel (kernels/sampling.py) draws every row at
+    once by the Gumbel-max trick, temperature folded in, greedy rows as plain
+    argmax: one pass over the logits in their own dtype. Each row's noise is a
+    pure function of one int64 seed per row and step, drawn on the device from
+    the row's generator. Fast path, when no sampled row filters (top-k/top-p/
+    min-p): no fp32 copy of the logits at all (banned tokens are set to -inf on
+    a copy in the logits' dtype; logprobs convert only the rows that ask).
+    Filter path, when some sampled row filters: cutoffs are computed in fp32 as
+    on CPU, filtered tokens become -inf, and the same kernel draws with the same
+    seeds. A row that does not filter sees exactly the same kernel inputs on
+    both paths, so its token does not depend on which path its batch took.
+
 Must never:
   * modify the caller's logits (the runner may read them again, and logprobs
     are defined on them as given);
@@ -16,7 +34,10 @@ Must never:
     data-dependent Python branches on tensors, no pageable host->device copies);
   * draw a seeded request's noise from anything but that request's generator,
     or draw an amount that depends on the batch. A seeded request must produce
-    the same tokens whatever else shares its batch and whatever its row index.
+    the same tokens whatever else shares its batch and whatever its row index
+    (CPU: exactly `vocab` Exp(1) draws per sampled step; fused: exactly one
+    int64 seed per sampled step, the kernel's noise being a function of it).
+    Greedy steps draw nothing.
 
 Logprobs are the model's distribution: log_softmax of the raw logits as given,
 before banning, temperature and filters (vLLM's default "raw_logprobs").
@@ -35,8 +56,13 @@ from tinyengine.sampling_params import SamplingParams
 # denormal-ish temperature overflows the logits to inf and softmax to NaN.
 _GREEDY_EPS = 1e-5
 
-# Columns of the per-row parameter table that travels host->device in one copy.
-_TEMP, _TOP_K, _TOP_P, _LOG_MIN_P = range(4)
+# Columns of the per-row parameter table that travels host->device in one copy
+# (_INV_TEMP only on the fused path: 0 marks a greedy row for the kernel).
+_TEMP, _TOP_K, _TOP_P, _LOG_MIN_P, _INV_TEMP = range(5)
+
+# Seeds for the fused kernel's noise are drawn in [0, 2**62): 62 random bits of
+# the 64-bit Philox key, plenty to never repeat a stream in practice.
+_SEED_HIGH = 2**62
 
 TokenLogprob = tuple[int, float, int]  # (token_id, logprob, rank); rank 1 = most likely
 
@@ -53,11 +79,16 @@ class SamplerOutput:
 class Sampler:
     """Chooses next tokens for a batch of rows, each with its own SamplingParams."""
 
-    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(
+        self, device: torch.device | str, seed: int = 0, fused: bool | None = None
+    ) -> None:
         self.device = torch.device(device)
         # Shared noise source for rows whose request has no seed.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        # The fused Triton draw (module docstring). None: on CUDA only; tests
+        # force it on CPU, where Triton runs under its interpreter.
+        self.fused = self.device.type == "cuda" if fused is None else fused
 
     def new_generator(self, seed: int) -> torch.Generator:
         """A per-request generator on the sampler's device (noise is drawn on
@@ -94,6 +125,8 @@ class Sampler:
                 f"Sampler got {num_rows} logit rows but {len(banned_token_ids)} "
                 "banned_token_ids lists; pass one (possibly empty) list per row"
             )
+        if self.fused:
+            return self._sample_fused(logits, params, generators, banned_token_ids)
         raw = logits.float()  # no-op for fp32; softmax maths wants fp32 anyway
         masked = self._ban(raw, banned_token_ids)
 
@@ -122,7 +155,7 @@ class Sampler:
         index = self._to_device([rows, cols], torch.long)
         # A device-side fill for the value: a Python scalar would be copied
         # host->device on every call.
-        minus_inf = torch.full((), float("-inf"), device=logits.device)
+        minus_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
         return logits.index_put((index[0], index[1]), minus_inf)
 
     def _sample(
@@ -148,10 +181,7 @@ class Sampler:
         logits = logits / t[:, _TEMP : _TEMP + 1]
 
         live = [p for p, g in zip(params, greedy, strict=True) if not g]
-        need_top_p = any(p.top_p < 1.0 for p in live)
-        need_min_p = any(p.min_p > 0.0 for p in live)
-        max_k = max((p.top_k for p in live if 0 < p.top_k < vocab), default=0)
-        full_sort = any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in live)
+        max_k, need_top_p, full_sort, need_min_p = _filter_needs(live, vocab)
         if max_k or need_top_p or need_min_p:
             cutoff = self._cutoff(logits, t, max_k, need_top_p, full_sort, need_min_p)
             # Ties with the cutoff are all kept: equal logits mean equal
@@ -163,6 +193,78 @@ class Sampler:
         # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p
         # (the Gumbel-max trick in another guise), with no cumsum or search.
         return probs.div_(noise).argmax(dim=-1)
+
+    def _sample_fused(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned: list[list[int]] | None,
+    ) -> PendingSample:
+        """Every row through kernels/sampling.py (module docstring: fast path
+        and filter path)."""
+        # Imported here: importing triton at module import would break the
+        # runner's switch to the Triton interpreter on CPU.
+        from kernels.sampling import gumbel_argmax_triton
+
+        vocab = logits.shape[-1]
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        live = [p for p, g in zip(params, greedy, strict=True) if not g]
+        max_k, need_top_p, full_sort, need_min_p = _filter_needs(live, vocab)
+        seeds = self._seeds(generators, greedy)
+        if not (max_k or need_top_p or need_min_p):
+            # Fast path: the logits in their own dtype; a ban copies them once.
+            inv_temp = [
+                0.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy, strict=True)
+            ]
+            inv_t = self._to_device(inv_temp, torch.float32)
+            tokens = gumbel_argmax_triton(self._ban(logits, banned), inv_t, seeds)
+            return self._collect(logits, tokens, params)
+
+        # Filter path: the CPU path's cutoffs (on the fp32 logits divided by
+        # the temperature), then the same draw on the raw logits with -inf at
+        # every filtered token. Greedy rows get no filter at all (argmax is
+        # what they want, and a cutoff never removes the max anyway).
+        table = [
+            [1.0, vocab, 1.0, -math.inf, 0.0]
+            if g
+            else [
+                p.temperature,
+                p.top_k if 0 < p.top_k < vocab else vocab,  # vocab = keep all
+                p.top_p,
+                math.log(p.min_p) if p.min_p > 0 else -math.inf,
+                1.0 / p.temperature,  # the fast path's value, bit for bit
+            ]
+            for p, g in zip(params, greedy, strict=True)
+        ]
+        t = self._to_device(table, torch.float32)
+        raw = logits.float()
+        masked = self._ban(raw, banned)
+        scaled = masked / t[:, _TEMP : _TEMP + 1]
+        cutoff = self._cutoff(scaled, t, max_k, need_top_p, full_sort, need_min_p)
+        # A row without filters gets a cutoff that masks nothing exactly, so
+        # the kernel sees exactly the fast path's input for it.
+        masked = masked.masked_fill(scaled < cutoff, float("-inf"))
+        tokens = gumbel_argmax_triton(masked, t[:, _INV_TEMP], seeds)
+        return self._collect(raw, tokens, params)
+
+    def _seeds(self, generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
+        """One int64 seed per row on the device for the fused kernel's noise:
+        unseeded sampled rows share one draw from the sampler's generator, each
+        seeded sampled row draws exactly one value from its own generator, and
+        greedy rows draw nothing (their seed is never read)."""
+        num_rows = len(greedy)
+        live = [not g for g in greedy]
+        if any(ok and g is None for g, ok in zip(generators, live, strict=True)):
+            seeds = torch.randint(
+                _SEED_HIGH, (num_rows,), generator=self.generator, device=self.device
+            )
+        else:
+            seeds = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+        for i, (g, ok) in enumerate(zip(generators, live, strict=True)):
+            if ok and g is not None:
+                seeds[i : i + 1].random_(0, _SEED_HIGH, generator=g)
+        return seeds
 
     def _cutoff(
         self,
@@ -249,7 +351,8 @@ class Sampler:
         self, raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
     ) -> PendingSample:
         """Logprobs for the rows that asked, then everything to the host in one
-        copy, started here and waited for in PendingSample.result()."""
+        copy, started here and waited for in PendingSample.result(). `raw` may
+        be in any float dtype: only the rows that ask are converted to fp32."""
         num_rows = len(params)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
@@ -260,7 +363,7 @@ class Sampler:
         else:
             index = self._to_device(rows, torch.long)
             lp_logits, lp_tokens = raw.index_select(0, index), tokens.index_select(0, index)
-        logprobs = lp_logits.log_softmax(dim=-1)  # fp32: raw is fp32
+        logprobs = lp_logits.float().log_softmax(dim=-1)  # no-op .float() for fp32 raw
         chosen_lp = logprobs.gather(1, lp_tokens[:, None])
         chosen_rank = (logprobs > chosen_lp).sum(dim=-1, keepdim=True) + 1
         parts = [tokens, lp_tokens, chosen_lp, chosen_rank]
@@ -289,6 +392,16 @@ class Sampler:
         allocator keeps the pinned block alive until the copy is done)."""
         pin = self.device.type == "cuda"
         return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
+
+
+def _filter_needs(live: list[SamplingParams], vocab: int) -> tuple[int, bool, bool, bool]:
+    """What the sampled rows' filters need: (max_k, need_top_p, full_sort,
+    need_min_p), as `Sampler._cutoff` takes them; all falsy: no row filters."""
+    need_top_p = any(p.top_p < 1.0 for p in live)
+    need_min_p = any(p.min_p > 0.0 for p in live)
+    max_k = max((p.top_k for p in live if 0 < p.top_k < vocab), default=0)
+    full_sort = any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in live)
+    return max_k, need_top_p, full_sort, need_min_p
 
 
 def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
