@@ -46,6 +46,7 @@ before banning, temperature and filters (vLLM's default "raw_logprobs").
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -86,9 +87,13 @@ class Sampler:
         # Shared noise source for rows whose request has no seed.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        # The fused Triton draw (module docstring). None: on CUDA only; tests
-        # force it on CPU, where Triton runs under its interpreter.
-        self.fused = self.device.type == "cuda" if fused is None else fused
+        # The fused Triton draw (module docstring). None: on CUDA only, unless
+        # TINYENGINE_FUSED_SAMPLER=0; tests force it on CPU, where Triton runs
+        # under its interpreter.
+        if fused is None:
+            switch = os.environ.get("TINYENGINE_FUSED_SAMPLER", "1").strip().lower()
+            fused = self.device.type == "cuda" and switch not in ("0", "false", "no", "off")
+        self.fused = fused
 
     def new_generator(self, seed: int) -> torch.Generator:
         """A per-request generator on the sampler's device (noise is drawn on
