@@ -377,7 +377,7 @@ def test_gpu_graph_capture_and_replay_of_fast_path() -> None:
     fresh seeds (the generator advances), reads the new logits, and picks the
     same tokens as the reference on those seeds."""
     rows, vocab = 64, 32_000
-    sampler = Sampler("cuda", seed=0)
+    sampler = Sampler("cuda", seed=0, fused=True)
     greedy = [i % 4 == 0 for i in range(rows)]
     gens = [None] * rows
     logits = torch.zeros(rows, vocab, device="cuda", dtype=torch.bfloat16)
@@ -412,7 +412,7 @@ def test_gpu_fast_path_no_host_sync() -> None:
     """The fast path (no row filters; bans, logprobs, seeded rows) launches
     without a device->host sync, like the filter path (tests/worker)."""
     vocab, rows = 32_000, 48
-    sampler = Sampler("cuda")
+    sampler = Sampler("cuda", fused=True)
     logits = (torch.randn(rows, vocab, device="cuda") * 3).bfloat16()
     kinds = [
         SamplingParams(temperature=0.0, logprobs=2),
