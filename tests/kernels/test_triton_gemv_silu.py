@@ -224,12 +224,10 @@ def test_gpu_fused_matches_unfused(inter: int, k: int, bias: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=False,
-    reason="exactness needs the compiler to give both launches the same reduction order",
-)
 @pytest.mark.parametrize("inter,k", GPU_SHAPES)
 def test_gpu_fused_bit_exact(inter: int, k: int) -> None:
+    """Same tile and K loop as the plain launch, so the same fp32 sums: equal
+    bits (held on the H200, 2026-12-03, all shapes)."""
     x, w, b = _problem(inter, k, torch.bfloat16, True)
     unfused = silu_and_mul_triton(skinny_linear(x, w, b))
     assert torch.equal(skinny_linear_silu_mul(x, w, b), unfused)
