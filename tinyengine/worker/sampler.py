@@ -10,7 +10,7 @@ behind an event), so the engine can schedule and launch the next step before
 (`PendingSample.token_ids`) for the next step's inputs.
 
 Two implementations of the draw, chosen per sampler (`fused`; default: on
-CUDA with TINYENGINE_FUSED_SAMPLER=1, opt-in until its GPU tests have run):
+CUDA, unless TINYENGINE_FUSED_SAMPLER=0):
   * CPU (torch): logits.float(), ban, argmax for greedy rows; sampled rows are
     divided by their temperature, filtered, softmaxed and drawn by an
     exponential race whose Exp(1) noise (vocab draws per row and step) comes
@@ -88,13 +88,12 @@ class Sampler:
         # Shared noise source for rows whose request has no seed.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        # The fused Triton draw (module docstring). None: on CUDA only when
-        # TINYENGINE_FUSED_SAMPLER=1. Opt-in until its GPU tests have run on
-        # the H200 (tests/kernels/test_sampling.py -m gpu): so far it is
-        # verified under the Triton interpreter only. Tests force it on CPU.
+        # The fused Triton draw (module docstring). None: on CUDA unless
+        # TINYENGINE_FUSED_SAMPLER=0 (the torch draw, e.g. to compare). Tests
+        # force it on CPU, where it runs under the Triton interpreter.
         if fused is None:
-            switch = os.environ.get("TINYENGINE_FUSED_SAMPLER", "0").strip().lower()
-            fused = self.device.type == "cuda" and switch in ("1", "true", "yes", "on")
+            switch = os.environ.get("TINYENGINE_FUSED_SAMPLER", "1").strip().lower()
+            fused = self.device.type == "cuda" and switch not in ("0", "false", "no", "off")
         self.fused = fused
 
     def new_generator(self, seed: int) -> torch.Generator:
