@@ -9,6 +9,7 @@ order, the progress bar); everything per request lives in tinyengine/engine.py.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from tqdm.auto import tqdm
 
 from tinyengine.config import EngineConfig
 from tinyengine.engine import LLMEngine, PromptType
+from tinyengine.models_presets import is_preset, resolve_model
 from tinyengine.outputs import RequestOutput
 from tinyengine.sampling_params import RequestOutputKind, SamplingParams
 from tinyengine.tokenizer import Tokenizer
@@ -26,6 +28,11 @@ class LLM:
     """Offline inference, as in vLLM: `LLM(model, **engine_options).generate(prompts, params)`."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        """`model`: a Hugging Face checkpoint folder, or a preset name
+        (tinyengine/models_presets.py), built into the cache on first use as
+        the server does (`TINYENGINE_MODEL`)."""
+        if is_preset(model) and not os.path.isdir(model):
+            model = resolve_model(model)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
 
     def get_tokenizer(self) -> Tokenizer | None:

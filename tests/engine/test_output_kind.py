@@ -16,8 +16,15 @@ PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3,", "你好，世�
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    path = ensure_preset("deepseek-v3-tiny", str(tmp_path_factory.mktemp("cache")))
+def cache_dir(tmp_path_factory) -> str:
+    cache = str(tmp_path_factory.mktemp("cache"))
+    ensure_preset("deepseek-v3-tiny", cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def llm(cache_dir: str) -> LLM:
+    path = ensure_preset("deepseek-v3-tiny", cache_dir)  # built by cache_dir: returns at once
     return LLM(path, dtype="float32", max_model_len=128, print_startup_report=False)
 
 
@@ -64,3 +71,21 @@ def test_generate_leaves_callers_params_alone(llm):
 def test_output_kind_is_validated():
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="final_only")
+
+
+def test_llm_takes_a_preset_name(cache_dir, monkeypatch, llm):
+    """LLM("deepseek-v3-tiny") finds the preset in $TINYENGINE_CACHE, as the
+    server does, and is the same model as the folder."""
+    monkeypatch.setenv("TINYENGINE_CACHE", cache_dir)
+    by_name = LLM(
+        "deepseek-v3-tiny", dtype="float32", max_model_len=128, print_startup_report=False
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    (a,) = by_name.generate(PROMPTS[:1], params, use_tqdm=False)
+    (b,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 6
+
+
+def test_llm_names_an_unknown_model():
+    with pytest.raises(ValueError, match="not-a-model"):
+        LLM("not-a-model", print_startup_report=False)
