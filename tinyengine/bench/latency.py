@@ -7,9 +7,10 @@ never hits):
 
   prefill     the wall time of `LLM.generate(B prompts, max_tokens=1)`
   decode      the wall time of every decode-only step of a B x O run, driving
-              `llm.engine` directly (add_request B times, then `engine.step()`
-              until done). A step counts once every request has its first
-              token and none has finished, i.e. it is exactly B decode rows.
+              `llm.engine` directly (add_request B times with FINAL_ONLY
+              outputs, then `engine.step()` until done). A step counts once
+              every request has its first token and none has finished, i.e.
+              it is exactly B decode rows.
               `step()` returns only once the sampled tokens are on the host,
               so a step's wall time is honest. Mean / p50 / p99 in ms, and
               decode tokens/s = B / mean step time.
@@ -43,24 +44,35 @@ PLOT_BATCH_SIZES = [1, 8, 32, 64, 128, 256]
 
 def decode_run(engine: Any, prompts: list[list[int]], output_len: int, temperature: float):
     """One B x O run through engine.step(); returns (decode-only step seconds,
-    total seconds). Fails if any request did not get exactly O tokens."""
-    from tinyengine.sampling_params import SamplingParams
+    total seconds). Fails if any request did not get exactly O tokens.
 
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature)
-    ids = {engine.add_request({"prompt_token_ids": p}, params) for p in prompts}
-    started: set[str] = set()
+    Requests ask for FINAL_ONLY outputs, as `LLM.generate` (and vLLM's latency
+    benchmark) do: a step's time is the engine's work for B decode rows, not
+    the building of B cumulative output objects and their incremental text,
+    which is a streaming server's cost (measured by `bench serve`). Which
+    requests have their first token is read from the engine's request state."""
+    from tinyengine.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=output_len,
+        ignore_eos=True,
+        temperature=temperature,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
     finished: set[str] = set()
     steps: list[float] = []
     begin = time.perf_counter()
     while engine.has_unfinished_requests():
-        is_decode = len(started) == len(ids) and not finished
+        is_decode = not finished and all(
+            engine.states[i].request.num_output_tokens >= 1 for i in ids
+        )
         start = time.perf_counter()
         outputs = engine.step()
         elapsed = time.perf_counter() - start
         if is_decode:
             steps.append(elapsed)
         for out in outputs:
-            started.add(out.request_id)
             if out.finished:
                 finished.add(out.request_id)
                 if len(out.outputs[0].token_ids) != output_len:
@@ -69,7 +81,7 @@ def decode_run(engine: Any, prompts: list[list[int]], output_len: int, temperatu
                         f"{len(out.outputs[0].token_ids)} tokens, asked {output_len}"
                     )
     total = time.perf_counter() - begin
-    if finished != ids:
+    if finished != set(ids):
         raise BenchError(f"{len(ids - finished)} requests never finished")
     return steps, total
 
