@@ -254,8 +254,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab_size]."""
-        return self.lm_head(hidden_states).float()
+        """[N, hidden] -> logits [N, vocab_size] in the model's dtype (the
+        sampler widens them; see LlamaForCausalLM.compute_logits)."""
+        return self.lm_head(hidden_states)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

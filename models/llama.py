@@ -276,9 +276,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab_size]. The runner passes only the
-        rows it samples from, so the vocab matmul is not done for every token."""
-        return self.lm_head(hidden_states).float()
+        """[N, hidden] -> logits [N, vocab_size] in the model's dtype. The runner
+        passes only the rows it samples from, so the vocab matmul is not done for
+        every token. No fp32 copy here: at batch 256 and a 152k vocabulary it
+        cost 115 us a step on the H200 (more than the sampling kernel); the
+        sampler widens the values it needs (the fused kernel in registers)."""
+        return self.lm_head(hidden_states)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -260,6 +260,28 @@ def test_sampler_fused_filters_and_bans() -> None:
     assert torch.equal(logits, randn(1, vocab, seed=7).expand(6, -1))  # untouched
 
 
+def test_sampler_fused_kernel_reads_the_logits_dtype_on_both_paths(monkeypatch) -> None:
+    """bf16 logits reach the kernel as bf16 on the fast path and the filter
+    path alike: one compiled variant, so a fast-path step after warmup (which
+    takes the filter path) compiles nothing new on the GPU."""
+    seen = []
+    real = sampling.gumbel_argmax_triton
+
+    def spy(logits, *args, **kwargs):
+        seen.append(logits.dtype)
+        return real(logits, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "gumbel_argmax_triton", spy)
+    logits = randn(2, 64, seed=9).to(torch.bfloat16).to(DEVICE)
+    plain = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]
+    filtered = [plain[0], SamplingParams(temperature=0.7, top_p=0.9)]
+    sampler = fused_sampler()
+    fast = sampler(logits, plain, [sampler.new_generator(5), None]).token_ids
+    slow = sampler(logits, filtered, [sampler.new_generator(5), None]).token_ids
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert fast[0] == slow[0]  # a row without filters: the same input and seed
+
+
 def seeded_tokens(position: str, target: SamplingParams, steps: int = 6, sampler_seed: int = 0):
     """A seeded request's tokens over `steps` steps, alone or at `position` in
     batches whose other rows change, and switch the batch between the fast

@@ -255,6 +255,8 @@ def test_latent_cache_spec_and_bf16_rules(tiny):
     assert model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
     ids = _tokens(10, 10)
     got = PagedHarness(model, block_size=4, num_blocks=8).step({0: ids})[0]
+    assert got.dtype == torch.bfloat16  # logits stay in the model's dtype
+    got = got.float()
     ref = hf_logits(path, ids)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
     torch.testing.assert_close(got, ref, atol=0.15, rtol=0)

@@ -244,15 +244,15 @@ class Sampler:
             for p, g in zip(params, greedy, strict=True)
         ]
         t = self._to_device(table, torch.float32)
-        raw = logits.float()
-        masked = self._ban(raw, banned)
-        scaled = masked / t[:, _TEMP : _TEMP + 1]
+        scaled = self._ban(logits.float(), banned) / t[:, _TEMP : _TEMP + 1]
         cutoff = self._cutoff(scaled, t, max_k, need_top_p, full_sort, need_min_p)
-        # A row without filters gets a cutoff that masks nothing exactly, so
-        # the kernel sees exactly the fast path's input for it.
-        masked = masked.masked_fill(scaled < cutoff, float("-inf"))
+        # The kernel reads the logits in their own dtype on both paths (one
+        # compiled variant: warmup compiles it, and a bf16 fast-path step after
+        # READY compiles nothing). A row without filters gets a cutoff that
+        # masks nothing exactly, so it sees exactly the fast path's input.
+        masked = self._ban(logits, banned).masked_fill(scaled < cutoff, float("-inf"))
         tokens = gumbel_argmax_triton(masked, t[:, _INV_TEMP], seeds)
-        return self._collect(raw, tokens, params)
+        return self._collect(logits, tokens, params)
 
     def _seeds(self, generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
         """One int64 seed per row on the device for the fused kernel's noise:
