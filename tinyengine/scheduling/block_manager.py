@@ -99,6 +99,8 @@ class BlockManager:
         num_computed = max(request.num_computed_tokens, len(computed_blocks) * self.block_size)
         total_needed = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = total_needed - len(request.block_ids) - len(computed_blocks)
+        if num_new_blocks <= 0 and not computed_blocks:
+            return True  # the common case, every running request every step: room left
         # Hits that are currently free leave the free queue when touched.
         num_touched_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if num_new_blocks + num_touched_free > self.num_free_blocks:
@@ -122,6 +124,7 @@ class BlockManager:
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)  # evict first
         request.block_ids = []
+        request.num_indexed_blocks = 0
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks that are full and fully computed."""
@@ -130,8 +133,10 @@ class BlockManager:
         # Only blocks whose tokens are all known: positions of in-flight tokens
         # count as computed but have no id to hash yet.
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= request.num_indexed_blocks:
+            return  # most decode steps: no block filled (this runs for every row)
         hashes = self._block_hashes(request, num_full)
-        for j in range(num_full):
+        for j in range(request.num_indexed_blocks, num_full):
             block = self.blocks[request.block_ids[j]]
             if block.block_hash is not None:
                 continue
@@ -140,6 +145,7 @@ class BlockManager:
             if hashes[j] not in self.cached:
                 block.block_hash = hashes[j]
                 self.cached[hashes[j]] = block.block_id
+        request.num_indexed_blocks = num_full
 
     def reset(self) -> None:
         """Forget everything (after warmup: no warmup block may ever serve a hit)."""

@@ -72,6 +72,9 @@ class Request:
         # Content hashes of the full blocks of all_token_ids, extended lazily by
         # the block manager (a block's hash chains its parent's).
         self.block_hashes: list[bytes] = []
+        # block_ids[:num_indexed_blocks] were offered to the prefix cache
+        # already: each step looks only at blocks that filled since.
+        self.num_indexed_blocks = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

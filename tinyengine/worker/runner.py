@@ -28,6 +28,7 @@ from models.context import AttentionMetadata, ForwardContext
 from models.loader import load_model
 from tinyengine.config import EngineConfig
 from tinyengine.scheduling.scheduler import SchedulerOutput
+from tinyengine.worker.block_table import HostBlockTable
 from tinyengine.worker.cuda_graphs import (
     CudaGraphBackend,
     DecodeGraphs,
@@ -38,8 +39,11 @@ from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from tinyengine.worker.sampler import PendingSample, Sampler, SamplerOutput
 
-# One step's rows, as plain lists: what prepare_inputs writes into the buffers.
-StepRows = tuple[list[int], list[int], list[int], list[int], list[list[int]]]
+# One step's rows: input ids, positions, slots and seq_lens (lists or int
+# arrays), and the block table's rows [rows, width] as the HostBlockTable
+# slots of the scheduled requests with the widest row's length.
+StepRows = tuple[list[int], Any, Any, Any, tuple[np.ndarray, int]]
+NO_ROWS: StepRows = ([], [], [], [], (np.empty(0, dtype=np.int64), 1))
 
 
 class ModelRunner:
@@ -65,6 +69,7 @@ class ModelRunner:
         self.buffers = InputBuffers.allocate(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device
         )
+        self.block_table = HostBlockTable(self.max_blocks_per_seq)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_blocks = 0
         self.dummy_block = 0  # a reserved block that padding rows write to
@@ -109,17 +114,34 @@ class ModelRunner:
     # --- one step ---
 
     def _rows(self, plan: SchedulerOutput) -> StepRows:
-        """The step's rows as lists. A position whose token is still in flight
-        (sampled by the step launched last, not yet on the host) gets a 0
-        here; `_fill_inflight` puts the real id in on the device."""
+        """The step's rows. A position whose token is still in flight (sampled
+        by the step launched last, not yet on the host) gets a 0 here;
+        `_fill_inflight` puts the real id in on the device."""
         bs = self.block_size
+        scheduled = plan.scheduled
+        table_rows = self.block_table.slots([s.request for s in scheduled])
         input_ids: list[int] = []
+        self._inflight_rows = []
+        if all(s.num_new_tokens == 1 for s in scheduled):
+            # Decode: one position per row, so positions, slots and lengths are
+            # array maths over the host block table (no per-row Python lists:
+            # this runs for every row of every step).
+            for i, sched in enumerate(scheduled):
+                tokens = sched.request.all_token_ids
+                if sched.start < len(tokens):
+                    input_ids.append(tokens[sched.start])
+                else:
+                    self._inflight_rows.append((i, sched.request.request_id))
+                    input_ids.append(0)
+            positions = np.fromiter((s.start for s in scheduled), np.int64, len(scheduled))
+            blocks = self.block_table.table[table_rows[0], positions // bs]
+            slots = blocks.astype(np.int64) * bs + positions % bs
+            return input_ids, positions, slots, positions + 1, table_rows
+
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        self._inflight_rows = []
-        for sched in plan.scheduled:
+        for sched in scheduled:
             request, start, end = sched.request, sched.start, sched.start + sched.num_new_tokens
             known = request.all_token_ids[start:end]
             if len(known) < end - start:  # only the last position can be in flight
@@ -131,8 +153,7 @@ class ModelRunner:
             block_ids = request.block_ids
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
-            tables.append(block_ids)
-        return input_ids, positions, slots, seq_lens, tables
+        return input_ids, positions, slots, seq_lens, table_rows
 
     def _fill_inflight(self) -> None:
         """input_ids[row] = the id the last launched step sampled for that
@@ -146,34 +167,32 @@ class ModelRunner:
         ids = self.buffers.input_ids
         ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(ids.dtype))
 
-    def _write_tables(self, tables: list[list[int]], pad_to: int = 0) -> None:
+    def _write_tables(self, table: np.ndarray) -> None:
         """Only the columns some row uses: kernels read a row's entries below
         its seq_len alone, so stale columns further right are never looked at
         (and a full-width table is megabytes per step at long max_model_len)."""
-        num_rows = max(len(tables), pad_to)
-        width = max(1, max((len(t) for t in tables), default=1))
-        table = np.full((num_rows, width), self.dummy_block, dtype=np.int32)
-        for i, block_ids in enumerate(tables):
-            table[i, : len(block_ids)] = block_ids
+        num_rows, width = table.shape
         self.buffers.block_tables[:num_rows, :width].copy_(
             torch.from_numpy(table), non_blocking=True
         )
 
     def prepare_inputs(self, plan: SchedulerOutput) -> ForwardContext:
         """Write an eager step's inputs into the persistent buffers."""
-        input_ids, positions, slots, seq_lens, tables = self._rows(plan)
+        input_ids, positions, slots, seq_lens, (table_rows, width) = self._rows(plan)
         q_lens = [s.num_new_tokens for s in plan.scheduled]
         query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
-        return self._write_eager(input_ids, positions, slots, query_start_loc, seq_lens, tables)
+        table = self.block_table.gather(table_rows, width, 0, self.dummy_block)
+        seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
+        return self._write_eager(input_ids, positions, slots, query_start_loc, seq_lens, table)
 
-    def _write_eager(self, input_ids, positions, slots, query_start_loc, seq_lens, tables):
+    def _write_eager(self, input_ids, positions, slots, query_start_loc, seq_lens, table):
         b = self.buffers
         write(b.input_ids, input_ids)
         write(b.positions, positions)
         write(b.slot_mapping, slots)
         write(b.query_start_loc, query_start_loc)
         write(b.seq_lens, seq_lens)
-        self._write_tables(tables)
+        self._write_tables(table)
         num_tokens, num_seqs = len(input_ids), len(seq_lens)
         attn = AttentionMetadata(
             num_tokens=num_tokens,
@@ -201,6 +220,7 @@ class ModelRunner:
         seq_lens = seq_lens or q_lens
         starts = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
         num_tokens = starts[-1]
+        width = -(-max(seq_lens) // self.block_size)
         ctx = self._write_eager(
             [(7919 * t + 13) % self.vocab_size for t in range(num_tokens)],
             [s - q + j for q, s in zip(q_lens, seq_lens, strict=True) for j in range(q)],
@@ -208,7 +228,7 @@ class ModelRunner:
             starts,
             seq_lens,
             # Every position of every row reads the dummy block.
-            [[self.dummy_block] * -(-s // self.block_size) for s in seq_lens],
+            np.full((len(seq_lens), width), self.dummy_block, dtype=np.int32),
         )
         b = self.buffers
         return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
@@ -239,16 +259,14 @@ class ModelRunner:
         """Decode rows into the buffers, padded to `size` rows. Padding rows are
         one-token sequences in the reserved dummy block: they compute garbage
         that nobody reads and can never touch a live block."""
-        input_ids, positions, slots, seq_lens, tables = rows
-        pad = size - len(input_ids)
-        dummy_slot = self.dummy_block * self.block_size
+        input_ids, positions, slots, seq_lens, (table_rows, width) = rows
         b = self.buffers
-        write(b.input_ids, input_ids + [0] * pad)
-        write(b.positions, positions + [0] * pad)
-        write(b.slot_mapping, slots + [dummy_slot] * pad)
-        write(b.query_start_loc, list(range(size + 1)))
-        write(b.seq_lens, seq_lens + [1] * pad)
-        self._write_tables(tables, pad_to=size)
+        write(b.input_ids, input_ids, pad_to=size)
+        write(b.positions, positions, pad_to=size)
+        write(b.slot_mapping, slots, pad_to=size, pad=self.dummy_block * self.block_size)
+        write(b.query_start_loc, range(size + 1))
+        write(b.seq_lens, seq_lens, pad_to=size, pad=1)
+        self._write_tables(self.block_table.gather(table_rows, width, size, self.dummy_block))
 
     def decode_step(self, size: int) -> Callable[[], torch.Tensor]:
         """The callable a decode graph captures: the model over `size` rows."""
@@ -340,7 +358,7 @@ class ModelRunner:
     def run_decode_shape(self, size: int) -> torch.Tensor:
         """One eager run of the graph-shaped decode step of `size` padding rows
         (profile and warmup use it to size scratch and compile kernels)."""
-        self.write_decode_inputs(size, ([], [], [], [], []))
+        self.write_decode_inputs(size, NO_ROWS)
         return self.decode_step(size)()
 
     @torch.inference_mode()
@@ -350,7 +368,7 @@ class ModelRunner:
             return None
         graphs = DecodeGraphs(backend)
         for size in sorted(self.capture_sizes, reverse=True):  # largest first: one shared pool
-            self.write_decode_inputs(size, ([], [], [], [], []))
+            self.write_decode_inputs(size, NO_ROWS)
             graphs.capture(size, self.decode_step(size))
         self.graphs = graphs
         return graphs.sizes
@@ -367,6 +385,7 @@ class ModelRunner:
 
     def free_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.block_table.release(request_id)
 
 
 def _enable_triton_interpreter() -> None:
