@@ -60,6 +60,13 @@ def test_throughput_as_a_user_runs_it(tiny_folder: str, tmp_path: Path) -> None:
     assert hf["elapsed_s"] > 0 and data["speedup_vs_hf"] > 0
     if engine_supports("profile_steps"):
         assert data["step_profile"]
+        # Decode steps against their roofline: contexts of 8..16-token prompts
+        # plus up to 16 outputs, so every row attends over 9..32 tokens.
+        roof = data["decode_roofline"]
+        assert 9 <= roof["mean_context"] <= 32 and 1 <= roof["batch"] <= 4
+        assert roof["step_s"] > 0 and roof["wall_over_roofline"] > 0
+        assert roof["kv_bytes"] > 0 and roof["weight_bytes"] > 0
+        assert "Roofline step (ms)" in proc.stdout
 
 
 def test_latency_with_hf_and_plot(tiny_folder: str, tmp_path: Path) -> None:

@@ -112,6 +112,30 @@ def step_profile(llm: Any, min_batch_size: int | None) -> dict[str, Any] | None:
     return fn(min_batch_size) if min_batch_size else fn()
 
 
+def decode_roofline(llm: Any, decode: dict[str, Any]) -> dict[str, Any]:
+    """The profiled decode steps against their roofline (roofline.py): the
+    weights touched at their mean batch plus the KV of their mean context,
+    over the read bandwidth measured now on the same device."""
+    from tinyengine.bench import roofline
+    from tinyengine.bench.membw import read_bandwidth
+
+    runner = llm.engine.runner
+    batch = decode["mean_batch_size"]
+    roof = roofline.decode_roofline(
+        roofline.inventory_from_model(runner.model, llm.engine.hf_config),
+        roofline.kv_bytes_per_token(runner),
+        round(batch),
+        decode["mean_context_tokens"] / batch,
+        read_bandwidth(runner.device.type, None, None)["bytes_per_s"],
+    )
+    per_step = decode["per_step"]
+    return {
+        **roof.as_dict(),
+        "wall_over_roofline": per_step["wall_s"] / roof.step_s,
+        "gpu_forward_over_roofline": per_step["gpu_forward_s"] / roof.step_s,
+    }
+
+
 def format_profile(profile: dict[str, Any]) -> list[str]:
     """The step profile as one table: per-step milliseconds of each phase
     (rows) for all steps and for each kind of step (columns)."""
@@ -125,6 +149,7 @@ def format_profile(profile: dict[str, Any]) -> list[str]:
         "steps",
         "mean_batch_size",
         "mean_tokens",
+        "mean_context_tokens",
         "host_fraction_of_gpu",
         "exposed_fraction_of_gpu",
     ):
@@ -223,7 +248,9 @@ def _run(args: argparse.Namespace) -> int:
     result["device"], result["dtype"] = runner.device.type, str(runner.dtype)
     result["engine"] = run_engine(llm, workload, args.temperature)
     if args.profile_host and "profile_steps" in extra:
-        result["step_profile"] = step_profile(llm, args.profile_min_batch_size)
+        result["step_profile"] = profile = step_profile(llm, args.profile_min_batch_size)
+        if profile and profile["by_kind"]["decode"]["steps"]:
+            result["decode_roofline"] = decode_roofline(llm, profile["by_kind"]["decode"])
     if "hf" in result:
         from tinyengine.bench.hf_compare import ratio
 
@@ -267,4 +294,17 @@ def format_result(result: dict[str, Any]) -> str:
     profile = result.get("step_profile")
     if profile:
         text += "\n" + f"{' Engine step profile ':=^56}\n" + "\n".join(format_profile(profile))
+    roof = result.get("decode_roofline")
+    if roof:
+        text += "\n" + common.format_rows(
+            "Decode steps vs roofline",
+            [
+                ("Read bandwidth (GB/s):", roof["bandwidth"] / 1e9),
+                ("Mean batch / context (tokens):", f"{roof['batch']} / {roof['mean_context']:.1f}"),
+                ("Weights + KV read (MiB):", roof["total_bytes"] / 2**20),
+                ("Roofline step (ms):", roof["step_s"] * 1000),
+                ("Wall step / roofline:", roof["wall_over_roofline"]),
+                ("GPU forward / roofline:", roof["gpu_forward_over_roofline"]),
+            ],
+        )
     return text + "\n" + "=" * 56

@@ -29,7 +29,8 @@ gpu_forward_s: the host's work per unit of GPU work, hidden or not);
 exposed_fraction_of_gpu ((wall_s - gpu_forward_s) / gpu_forward_s: how much
 longer the steps took than their forward passes, the overhead not hidden);
 per_step (the same means); mean_batch_size, mean_tokens,
-batch_size_histogram; forward_timing ("cuda_events" or "wall_clock"); and
+mean_context_tokens (per step, summed over rows: what attention reads, for a
+roofline), batch_size_histogram; forward_timing ("cuda_events" or "wall_clock"); and
 by_kind {"decode": every row one token, "prefill": the rest}, each with the
 same keys. Steps before READY (warmup) and steps that schedule nothing are
 not recorded.
@@ -68,6 +69,7 @@ class _Step:
     decode: bool  # every row computes one token (the CUDA-graph shape)
     num_seqs: int
     num_tokens: int
+    context_tokens: int  # sum over rows of the context each attends over
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     gpu_forward: float = -1.0  # seconds; -1 while the CUDA events are pending
 
@@ -140,6 +142,7 @@ class StepProfiler:
             all(s.num_new_tokens == 1 for s in rows),
             len(rows),
             sum(s.num_new_tokens for s in rows),
+            sum(s.start + s.num_new_tokens for s in rows),
             self._events,
         )
         self._events = None
@@ -196,5 +199,6 @@ def _summarize(steps: list[_Step]) -> dict[str, Any]:
     out["per_step"] = {f"{k}_s": (v / n if n else 0.0) for k, v in totals.items()}
     out["mean_batch_size"] = sum(s.num_seqs for s in steps) / n if n else 0.0
     out["mean_tokens"] = sum(s.num_tokens for s in steps) / n if n else 0.0
+    out["mean_context_tokens"] = sum(s.context_tokens for s in steps) / n if n else 0.0
     out["batch_size_histogram"] = dict(sorted(Counter(s.num_seqs for s in steps).items()))
     return out
