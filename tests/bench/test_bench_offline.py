@@ -96,6 +96,12 @@ def test_latency_with_hf_and_plot(tiny_folder: str, tmp_path: Path) -> None:
         assert run["roofline"]["step_s"] > 0
         assert 0 < run["roofline_fraction"]
         assert run["hf"]["decode_step_ms"] > 0 and run["speedup_vs_hf"] > 0
+    # MoE: the experts a batch touches come from the model's recorded routing
+    # (one MoE layer of 8 experts, top-2): exactly 2 for one token, 2..4 for two.
+    assert data["expert_routing"] == "measured"
+    one, two = (run["experts_touched"] for run in data["runs"])
+    assert one["measured"] == [2.0] and one["uniform"] == [pytest.approx(2.0)]
+    assert 2.0 <= two["measured"][0] <= 4.0
     curve = data["roofline_curve"]
     assert curve[0][0] == 1 and curve[-1][0] == 2 and all(t > 0 for _, t in curve)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from tinyengine.bench.roofline import (
     kv_bytes_per_token,
     mean_decode_context,
 )
+from tinyengine.bench.routing import distinct_experts
 
 # 1000 dense bytes, a 100-row embedding of 10 bytes per row, one MoE layer of
 # 8 experts (100 bytes each), 2 picked per token.
@@ -44,6 +46,23 @@ def test_weight_bytes_touched_by_hand() -> None:
     # huge B: every embedding row at most once, every expert: 1000 + 1000 + 800
     assert INVENTORY.bytes_touched(10_000) == pytest.approx(2800)
     assert INVENTORY.total_bytes == 2800
+
+
+def test_measured_expert_counts_replace_the_uniform_guess() -> None:
+    # B=2 with 2 of 8 experts measured (both tokens chose the same pair):
+    # 1000 + 20 + 2/8 * 800 (200) = 1220, not the uniform 1370.
+    assert INVENTORY.bytes_touched(2, experts_touched=[2.0]) == pytest.approx(1220)
+    roof = decode_roofline(INVENTORY, 40, 2, 12.0, 1000.0, experts_touched=[2.0])
+    assert roof.weight_bytes == pytest.approx(1220)
+
+
+def test_distinct_experts_of_recorded_ids() -> None:
+    # Four tokens; every one picks expert 0, and one other of 1..4 each.
+    ids = np.array([[0, 1], [0, 2], [0, 3], [0, 4]])
+    assert distinct_experts(ids, 1) == 2.0  # one token: its K experts
+    assert distinct_experts(ids, 4) == 5.0  # all tokens: 0..4
+    assert distinct_experts(ids, 100) == 5.0  # more rows than recorded: all of them
+    assert 2.0 < distinct_experts(ids, 2) == 3.0  # any two tokens share expert 0
 
 
 def test_decode_roofline_by_hand() -> None:

@@ -38,6 +38,7 @@ from typing import Any
 from tinyengine.bench import common
 from tinyengine.bench.common import BenchError, percentile
 from tinyengine.bench.prompts import TokenPool
+from tinyengine.bench.routing import distinct_experts, record_routing
 
 PLOT_BATCH_SIZES = [1, 8, 32, 64, 128, 256]
 
@@ -248,16 +249,35 @@ def _run(args: argparse.Namespace) -> int:
     result["kv_bytes_per_token"] = kv_per_token
     result["mean_decode_context"] = context
 
+    rng = np.random.default_rng(args.seed)
+    # MoE: the experts a batch touches, measured on this model's own routing
+    # (routing.py); the uniform expectation is kept beside it in the output.
+    routed = []
+    if inventory.expert_layers:
+        probe = [pool.sample(rng, args.input_len) for _ in range(max(batch_sizes))]
+        routed = record_routing(llm, probe)
+        result["expert_routing"] = "measured"
+
+    def experts(b: int) -> list[float] | None:
+        return [distinct_experts(ids, b) for ids in routed] if routed else None
+
     def line(b: int) -> roofline.DecodeRoofline:
         bytes_per_s = bandwidth["bytes_per_s"]
-        return roofline.decode_roofline(inventory, kv_per_token, b, context, bytes_per_s)
+        return roofline.decode_roofline(
+            inventory, kv_per_token, b, context, bytes_per_s, experts(b)
+        )
 
-    rng = np.random.default_rng(args.seed)
     result["runs"] = []
     for b in batch_sizes:
         run = measure_engine(llm, pool, rng, b, args)
         roof = line(b)
         run["roofline"] = roof.as_dict()
+        if routed:
+            uniform = [
+                roofline.expected_distinct_experts(x.num_experts, x.top_k, b)
+                for x in inventory.expert_layers
+            ]
+            run["experts_touched"] = {"measured": experts(b), "uniform": uniform}
         run["roofline_fraction"] = roof.step_s * 1000 / run["decode_step_ms"]["mean"]
         if b in hf_by_batch:
             from tinyengine.bench.hf_compare import ratio
@@ -277,6 +297,16 @@ def _run(args: argparse.Namespace) -> int:
         plot_decode(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _expert_rows(run: dict[str, Any]) -> list[tuple[str, Any]]:
+    """MoE: distinct experts per step (summed over MoE layers), measured and
+    as uniform routing would have it."""
+    touched = run.get("experts_touched")
+    if not touched:
+        return []
+    measured, uniform = sum(touched["measured"]), sum(touched["uniform"])
+    return [("Roofline: experts touched (uniform):", f"{measured:.1f} ({uniform:.1f})")]
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -302,6 +332,7 @@ def format_result(result: dict[str, Any]) -> str:
             ("Decode step p99 (ms):", step["p99"]),
             ("Decode tokens/s:", run["decode_tokens_per_s"]),
             ("Roofline: weights read (MiB):", roof["weight_bytes"] / 2**20),
+            *_expert_rows(run),
             ("Roofline: KV read (MiB):", roof["kv_bytes"] / 2**20),
             ("Roofline step (ms):", roof["step_s"] * 1000),
             ("Roofline tokens/s:", roof["tokens_per_s"]),

@@ -19,8 +19,9 @@ Weights touched at batch B:
 
         E * (1 - (1 - K/E) ** B)
 
-    (K at B = 1, tending to E as B grows). Random-weight checkpoints route
-    nearly uniformly; trained routers are skewed and touch fewer.
+    (K at B = 1, tending to E as B grows) -- unless the caller passes the
+    counts it measured (routing.py: routers are skewed, random-weight proxies
+    too, and then touch fewer).
 
 KV read per step: the cache bytes per token (every layer; for an MLA latent
 cache one (kv_lora_rank + qk_rope_head_dim) row per layer) times the context
@@ -62,12 +63,17 @@ class WeightInventory:
     embedding_rows: int  # rows in that table
     expert_layers: tuple[ExpertLayer, ...] = field(default_factory=tuple)
 
-    def bytes_touched(self, batch: int) -> float:
-        """Weight bytes one decode step of `batch` sequences reads."""
+    def bytes_touched(self, batch: int, experts_touched: list[float] | None = None) -> float:
+        """Weight bytes one decode step of `batch` sequences reads;
+        `experts_touched`: distinct experts per MoE layer (default: the
+        uniform-routing expectation)."""
         total = float(self.dense_bytes)
         total += min(batch, self.embedding_rows) * self.embedding_row_bytes
-        for layer in self.expert_layers:
-            touched = expected_distinct_experts(layer.num_experts, layer.top_k, batch)
+        for i, layer in enumerate(self.expert_layers):
+            if experts_touched is not None:
+                touched = experts_touched[i]
+            else:
+                touched = expected_distinct_experts(layer.num_experts, layer.top_k, batch)
             total += layer.nbytes * touched / layer.num_experts
         return total
 
@@ -98,12 +104,14 @@ def decode_roofline(
     batch: int,
     mean_context: float,
     bandwidth: float,
+    experts_touched: list[float] | None = None,
 ) -> DecodeRoofline:
     """The roofline of one decode step of `batch` sequences, each attending
-    over `mean_context` cached tokens, at `bandwidth` bytes/s."""
+    over `mean_context` cached tokens, at `bandwidth` bytes/s (MoE layers:
+    `experts_touched` as in WeightInventory.bytes_touched)."""
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
-    weights = inventory.bytes_touched(batch)
+    weights = inventory.bytes_touched(batch, experts_touched)
     kv = float(kv_bytes_per_token) * mean_context * batch
     total = weights + kv
     step_s = total / bandwidth
