@@ -32,7 +32,7 @@ for section in "$@"; do
     kern_test) run kern_test 200 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels ;;
     tp_profile256) run tp_profile256 150 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
           --profile-host --profile-min-batch-size 256 --json "$out/tp_profile256.json" ;;
-    tp_hf) run tp_hf 240 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
+    tp_hf) run tp_hf 580 python -m tinyengine.bench throughput --model qwen3-0.6b-shape \
           --compare hf --json "$out/tp_hf.json" ;;
     lat8b) run lat8b 240 python -m tinyengine.bench latency --model llama3-8b-shape --batch-size 1 \
           --input-len 128 --output-len 128 --num-iters 5 --compare hf --json "$out/lat8b.json" ;;
