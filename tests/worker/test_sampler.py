@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinyengine.sampling_params import MAX_LOGPROBS, SamplingParams
-from tinyengine.worker.sampler import Sampler, SamplerOutput
+from tinyengine.worker.sample_output import SamplerOutput
+from tinyengine.worker.sampler import Sampler
 
 
 def sample(

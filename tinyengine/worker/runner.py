@@ -37,7 +37,8 @@ from tinyengine.worker.cuda_graphs import (
 )
 from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
-from tinyengine.worker.sampler import PendingSample, Sampler, SamplerOutput
+from tinyengine.worker.sample_output import PendingSample, SamplerOutput
+from tinyengine.worker.sampler import Sampler
 
 # One step's rows: input ids, positions, slots and seq_lens (lists or int
 # arrays), and the block table's rows [rows, width] as the HostBlockTable

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 
 from tinyengine.sampling_params import SamplingParams
+from tinyengine.worker.sample_output import PendingSample, SamplerOutput, to_host
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a
 # denormal-ish temperature overflows the logits to inf and softmax to NaN.
@@ -65,17 +65,6 @@ _TEMP, _TOP_K, _TOP_P, _LOG_MIN_P, _INV_TEMP = range(5)
 # Seeds for the fused kernel's noise are drawn in [0, 2**62): 62 random bits of
 # the 64-bit Philox key, plenty to never repeat a stream in practice.
 _SEED_HIGH = 2**62
-
-TokenLogprob = tuple[int, float, int]  # (token_id, logprob, rank); rank 1 = most likely
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]  # one per row
-    # Per row: None (not asked for), or [(token_id, logprob, rank), ...] with the
-    # sampled token first, then the top N (N = params.logprobs) in descending
-    # order. The sampled token may appear twice, as in vLLM.
-    logprobs: list[list[TokenLogprob] | None]
 
 
 class Sampler:
@@ -362,7 +351,7 @@ class Sampler:
         num_rows = len(params)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
-            return PendingSample(tokens, _to_host(tokens), num_rows, rows, [], 0)
+            return PendingSample(tokens, to_host(tokens), num_rows, rows, [], 0)
 
         if len(rows) == num_rows:
             lp_logits, lp_tokens = raw, tokens
@@ -388,7 +377,7 @@ class Sampler:
         # One device->host copy for everything: float64 holds token ids and ranks
         # exactly and fp32 logprobs losslessly.
         packed = torch.cat([x.flatten().double() for x in parts])
-        return PendingSample(tokens, _to_host(packed), num_rows, rows, wanted, n)
+        return PendingSample(tokens, to_host(packed), num_rows, rows, wanted, n)
 
     # ---------------------------------------------------------------- helpers
 
@@ -408,58 +397,3 @@ def _filter_needs(live: list[SamplingParams], vocab: int) -> tuple[int, bool, bo
     max_k = max((p.top_k for p in live if 0 < p.top_k < vocab), default=0)
     full_sort = any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in live)
     return max_k, need_top_p, full_sort, need_min_p
-
-
-def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start x's device->host copy; the event marks its end (None on CPU)."""
-    if x.device.type != "cuda":
-        return x, None
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
-
-
-class PendingSample:
-    """A launched sampling step: the ids on the device now, the host results
-    (`result()`) once the copy started by the sampler has landed."""
-
-    def __init__(
-        self,
-        token_ids: torch.Tensor,
-        host: tuple[torch.Tensor, torch.cuda.Event | None],
-        num_rows: int,
-        rows: list[int],
-        wanted: list[int],
-        n: int,
-    ) -> None:
-        self.token_ids = token_ids  # [num_rows] on the device, for the next step's inputs
-        self._host, self._done = host
-        self._num_rows, self._rows, self._wanted, self._n = num_rows, rows, wanted, n
-        self._result: SamplerOutput | None = None
-
-    def result(self) -> SamplerOutput:
-        """Wait for the copy (the step's only sync) and unpack it, once."""
-        if self._result is None:
-            if self._done is not None:
-                self._done.synchronize()
-            self._result = self._unpack(self._host.tolist())
-        return self._result
-
-    def _unpack(self, host: list) -> SamplerOutput:
-        num_rows, rows, n = self._num_rows, self._rows, self._n
-        if not rows:
-            return SamplerOutput(token_ids=[int(x) for x in host], logprobs=[None] * num_rows)
-        num_lp = len(rows)
-        token_ids = [int(x) for x in host[:num_rows]]
-        fields = [host[num_rows + k * num_lp : num_rows + (k + 1) * num_lp] for k in range(3)]
-        top = host[num_rows + 3 * num_lp :]
-        out: list[list[TokenLogprob] | None] = [None] * num_rows
-        for j, i in enumerate(rows):
-            entries = [(int(fields[0][j]), fields[1][j], int(fields[2][j]))]
-            for m in range(self._wanted[j]):
-                at = j * n + m
-                entries.append((int(top[at]), top[num_lp * n + at], int(top[2 * num_lp * n + at])))
-            out[i] = entries
-        return SamplerOutput(token_ids=token_ids, logprobs=out)
