@@ -26,27 +26,11 @@ and the config come from host ints only (shapes and the SM count), and a model
 needs few compiled variants (one per config x dtype; N and K are runtime
 args), all compiled during the engine's warmup of each decode batch size.
 
-Fused gate_up + SiLU-and-mul (M == 1): a gated MLP's gate_up projection and
-its activation in one launch, with the same signature pair
-
-    skinny_linear_silu_mul_*(x [1, K], weight [2I, K], bias [2I] | None, out=None)
-        -> silu(y[:, :I]) * y[:, I:]   [1, I],   y = x W^T + b
-
-The same kernel with the constexpr FUSE_SILU_MUL: each program's BLOCK_N
-weight rows interleave BLOCK_N / 2 gate rows j with their up rows I + j, the
-K loop is the plain one, and the epilogue rounds y to the dtype (as the plain
-store does) and then computes silu(gate) * up in fp32, rounded once, exactly
-as kernels/activation.py's kernel does. The config is the plain launch's for
-the [2I, K] weight, so every row's fp32 sum is computed as the plain launch
-computes it and the result is meant to equal skinny_linear followed by
-silu_and_mul_triton bit for bit, with one launch and no [1, 2I] intermediate.
-
 `linear(x, weight, bias)` is the dispatcher the model layers call on CUDA:
 the kernel when `skinny_linear_ok` holds, F.linear otherwise.
-`linear_silu_mul(x, gate_up_weight, bias)` is the MLP's: the fused kernel when
-`skinny_linear_ok` holds for a one-row x, else `linear` then the activation
-as models/layers.py's SiluAndMul runs it.
-`TINYENGINE_SKINNY_GEMM=0` (read at import) turns both kernels off.
+The kernel also has a fused gate_up + SiLU-and-mul epilogue (constexpr
+FUSE_SILU_MUL), launched by kernels/gemv_silu.py.
+`TINYENGINE_SKINNY_GEMM=0` (read at import) turns the kernel off.
 """
 
 from __future__ import annotations
@@ -59,8 +43,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
 
 ENABLED = os.environ.get("TINYENGINE_SKINNY_GEMM", "1").strip().lower() not in (
     "0",
@@ -376,102 +358,3 @@ def _launch(
         FUSE_SILU_MUL=fuse_silu_mul,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-
-
-# ---- Fused gate_up GEMV + SiLU-and-mul (batch-1 decode MLP) -------------------
-
-
-def skinny_linear_silu_mul_torch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference: the gate_up projection in fp32 rounded once to x.dtype
-    (skinny_linear_torch), then silu(gate) * up in fp32 rounded once
-    (silu_and_mul_torch, the reference of the Triton activation that the
-    unfused CUDA path runs). weight [2I, K], gate rows first -> [M, I]."""
-    y = silu_and_mul_torch(skinny_linear_torch(x, weight, bias))
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
-
-
-def skinny_linear_silu_mul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    *,
-    config: GemvConfig | None = None,
-) -> torch.Tensor:
-    """silu(gate) * up of y = x W^T + b in one launch, for x [1, K] and a
-    gate_up weight [2I, K] (rows :I gate, I: up), bias [2I] | None -> [1, I].
-
-    The config is the plain launch's for this weight (pick_config(1, 2I, K)):
-    its BLOCK_N counts weight rows per program, here BLOCK_N // 2 gate rows and
-    their BLOCK_N // 2 up rows, so the tile, the K loop and hence every row's
-    fp32 sum are the plain kernel's, and the result is meant to equal
-    skinny_linear followed by silu_and_mul_triton bit for bit. Graph-safe like
-    skinny_linear: host ints only, nothing allocated but `out`."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"skinny_linear_silu_mul: need x [1, K], weight [2I, K]; got {tuple(x.shape)}, "
-            f"{tuple(weight.shape)}"
-        )
-    m, k = x.shape
-    n2 = weight.shape[0]
-    if m != 1:
-        raise ValueError(f"skinny_linear_silu_mul: M must be 1, got {m}")
-    if n2 % 2:
-        raise ValueError(
-            f"skinny_linear_silu_mul: gate_up weight needs an even row count, got {n2}"
-        )
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"skinny_linear_silu_mul: dtypes {x.dtype}, {weight.dtype} unsupported")
-    if bias is not None and bias.dtype != x.dtype:
-        raise ValueError(f"skinny_linear_silu_mul: bias dtype {bias.dtype} != {x.dtype}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("skinny_linear_silu_mul: x and weight need a contiguous last dim")
-    if bias is not None and (bias.shape != (n2,) or bias.stride(0) != 1):
-        raise ValueError(f"skinny_linear_silu_mul: bias must be contiguous [{n2}]")
-    inter = n2 // 2
-    if out is None:
-        out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, inter) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(
-            f"skinny_linear_silu_mul: out must be {x.dtype} [{m}, {inter}] with a contiguous "
-            "last dim"
-        )
-    if inter == 0:
-        return out
-
-    cfg = config if config is not None else pick_config(1, n2, k, _num_sms(x.device))
-    if not cfg.use_dot and (cfg.block_n < 2 or cfg.block_n & (cfg.block_n - 1)):
-        raise ValueError(
-            f"skinny_linear_silu_mul: BLOCK_N must be a power of two >= 2, got {cfg.block_n}"
-        )
-    _launch(x, weight, bias, out, inter, cfg, fuse_silu_mul=True)
-    return out
-
-
-def linear_silu_mul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """silu(gate) * up of F.linear(x, weight, bias) for a gate_up weight
-    [2I, K]: one fused launch where the skinny kernel applies to a one-row x,
-    otherwise `linear` then the activation exactly as models/layers.py's
-    SiluAndMul runs it."""
-    if (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and weight.shape[0] % 2 == 0
-        and skinny_linear_ok(x, weight, bias)
-    ):
-        return skinny_linear_silu_mul(x, weight, bias)
-    y = linear(x, weight, bias)
-    if y.is_cuda and y.is_contiguous():
-        return silu_and_mul_triton(y)
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -241,7 +241,7 @@ class SiluAndMul(nn.Module):
         """self(gate_up(x)); on CUDA a one-row x (batch-1 decode) runs as one
         GEMV launch with the activation in its epilogue (kernels/gemv.py)."""
         if x.is_cuda:
-            from kernels.gemv import linear_silu_mul
+            from kernels.gemv_silu import linear_silu_mul
 
             return linear_silu_mul(x, gate_up.weight, gate_up.bias)
         return self(gate_up(x))

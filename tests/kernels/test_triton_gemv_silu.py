@@ -1,4 +1,4 @@
-"""Fused gate_up GEMV + SiLU-and-mul (kernels/gemv.py, M == 1) vs its torch
+"""Fused gate_up GEMV + SiLU-and-mul (kernels/gemv_silu.py, M == 1) vs its torch
 reference and vs the unfused path (skinny_linear, then the activation), and the
 `linear_silu_mul` dispatcher the MLP calls. On CPU the kernel runs under the
 Triton interpreter (tests/conftest.py), so the CPU shapes stay small."""
@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels.gemv as gemv
+import kernels.gemv_silu as gemv_silu
 from kernels.activation import silu_and_mul_triton
-from kernels.gemv import (
-    GemvConfig,
+from kernels.gemv import GemvConfig, skinny_linear
+from kernels.gemv_silu import (
     linear_silu_mul,
-    skinny_linear,
     skinny_linear_silu_mul,
     skinny_linear_silu_mul_torch,
 )
@@ -159,7 +159,7 @@ def test_dispatch_falls_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*a, **kw):
         raise AssertionError("the fused kernel must not run on CPU")
 
-    monkeypatch.setattr(gemv, "skinny_linear_silu_mul", boom)
+    monkeypatch.setattr(gemv_silu, "skinny_linear_silu_mul", boom)
     for m in (1, 3):
         x = torch.randn(m, 32, dtype=torch.bfloat16)
         w = torch.randn(48, 32, dtype=torch.bfloat16)
@@ -172,7 +172,7 @@ def test_dispatch_uses_fused_kernel_for_one_row(monkeypatch: pytest.MonkeyPatch)
     """With the predicate forced on (as on CUDA), one row goes through the fused
     kernel and more rows through linear + activation."""
     calls: list[str] = []
-    real_fused, real_plain = gemv.skinny_linear_silu_mul, gemv.skinny_linear
+    real_fused, real_plain = gemv_silu.skinny_linear_silu_mul, gemv.skinny_linear
 
     def spy_fused(*a, **kw):
         calls.append("fused")
@@ -182,7 +182,7 @@ def test_dispatch_uses_fused_kernel_for_one_row(monkeypatch: pytest.MonkeyPatch)
         calls.append("plain")
         return real_plain(*a, **kw)
 
-    monkeypatch.setattr(gemv, "skinny_linear_silu_mul", spy_fused)
+    monkeypatch.setattr(gemv_silu, "skinny_linear_silu_mul", spy_fused)
     monkeypatch.setattr(gemv, "skinny_linear", spy_plain)
     monkeypatch.setattr(gemv, "skinny_linear_ok", lambda x, w, b=None: gemv._eligible(x, w, b))
     x, w, b = _problem(24, 64, torch.bfloat16, True)
