@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_fn import device_fn
+
 
 def build_cos_sin_cache(
     inv_freq: torch.Tensor, max_position: int, mscale: float = 1.0
@@ -62,7 +64,7 @@ def apply_rotary_torch(
     return q_out, (None if k is None else _rotate_torch(k, cos, sin, is_neox))
 
 
-@triton.jit
+@device_fn
 def _rotate_heads(
     src, dst, stride_sh, stride_dh, cos, sin,
     num_heads, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr,

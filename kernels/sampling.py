@@ -63,6 +63,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.device_fn import device_fn
+
 LOG2E = 1.4426950408889634
 _MAX_BLOCK = 1024  # Philox counters per chunk: 4096 columns; a split is >= 1 chunk
 _PROGRAMS_PER_SM = 4  # split the vocab until the grid has this many programs per SM
@@ -140,13 +142,13 @@ def gumbel_argmax_torch(
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+@device_fn
 def _uniform(word):
     """u = (word >> 9) * 2^-23 + 2^-24: exact, and never 0 or 1."""
     return (word >> 9).to(tl.int32).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
 
 
-@triton.jit
+@device_fn
 def _log2(x, FAST: tl.constexpr):
     """lg2.approx on the GPU (one MUFU op instead of a ~20-instruction
     polynomial); the interpreter has no libdevice."""
@@ -156,7 +158,7 @@ def _log2(x, FAST: tl.constexpr):
         return tl.log2(x)
 
 
-@triton.jit
+@device_fn
 def _noise(word, FAST: tl.constexpr):
     """Gumbel noise in log2 units from one Philox word (see the module docstring)."""
     u = _uniform(word)
@@ -166,7 +168,7 @@ def _noise(word, FAST: tl.constexpr):
     return -_log2(tl.maximum(e, 9.313225746154785e-10), FAST)
 
 
-@triton.jit
+@device_fn
 def _scan_lane(
     row_ptr, col, ok, word, scale, best, best_col, NOISE: tl.constexpr, FAST: tl.constexpr
 ):  # fmt: skip
@@ -181,7 +183,7 @@ def _scan_lane(
     return tl.where(take, s, best), tl.where(take, col, best_col)
 
 
-@triton.jit
+@device_fn
 def _scan(
     row_ptr, seed, scale, lo, hi, vocab, quarter,
     BLOCK: tl.constexpr, NOISE: tl.constexpr, FAST: tl.constexpr,
@@ -353,7 +355,7 @@ def _noise_kernel(
     tl.store(base + c, _from_word(w3, NOISE, FAST_LOG), mask=ok & (c < vocab))
 
 
-@triton.jit
+@device_fn
 def _from_word(word, NOISE: tl.constexpr, FAST: tl.constexpr):
     if NOISE:
         return _noise(word, FAST)

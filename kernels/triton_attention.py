@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.cache_write import write_kv_cache_triton
+from kernels.device_fn import device_fn
 
 LOG2E = 1.4426950408889634
 # Decode split heuristic, measured on an H200 (bench_kernels.py --sweep): a
@@ -58,7 +59,7 @@ def _num_sms(device: torch.device) -> int:
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+@device_fn
 def _attend_tile(
     acc, l_i, m_i, q,
     n_start, q_pos, seq_len,
@@ -123,7 +124,7 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@device_fn
 def _find_seq(tile_id, query_start_loc, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence owning q-tile `tile_id`: the largest i with
     query_start_loc[i] // BLOCK_Q + i <= tile_id (binary search, device-side)."""

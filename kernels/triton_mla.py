@@ -81,6 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_fn import device_fn
 from kernels.mla_tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: tests read them here)
     _MIN_SPLIT_TOKENS,
     MAX_SPLITS,
@@ -102,7 +103,7 @@ _REDUCE_CHUNK = 4  # splits the reduce merges per step ([4, 512] fp32 per progra
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+@device_fn
 def _load_rows(row_ptrs, row_ok, offs, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """[rows, BLOCK] tile of `WIDTH` columns from row_ptrs; masked rows and
     pad columns read 0. The column mask only exists where the tile is wider

@@ -85,6 +85,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.device_fn import device_fn
 from kernels.moe_tiles import (  # noqa: F401  (re-exported: tests and the sweep use them here)
     CLASS_CONFIGS,
     CLASS_ROWS,
@@ -117,7 +118,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, stride_ids, NUM_EXPERTS: tl.co
     tl.atomic_add(counts_ptr + e, hist, mask=e < NUM_EXPERTS)
 
 
-@triton.jit
+@device_fn
 def _program_tile(NUM_N_BLOCKS: tl.constexpr, group_m):
     """(M-block, N-block) of this program; see "Program order" above."""
     pid = tl.program_id(0)
@@ -129,7 +130,7 @@ def _program_tile(NUM_N_BLOCKS: tl.constexpr, group_m):
     return first_m + local % group_rows, local // group_rows
 
 
-@triton.jit
+@device_fn
 def _block_rows(b, counts_ptr, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
                 BLOCK_M: tl.constexpr):  # fmt: skip
     """(expert, first sorted row, row mask [BLOCK_M]) of M-block b, whose

@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_fn import device_fn
 
-@triton.jit
+
+@device_fn
 def _round(x, dtype):
     """Round an fp32 tile to the activation dtype and back (a torch op's
     output rounding). For bf16 the round-to-nearest-even is done on the bits:
@@ -33,7 +35,7 @@ def _round(x, dtype):
     return x.to(dtype).to(tl.float32)
 
 
-@triton.jit
+@device_fn
 def _norm_rope_store(
     src, stride_sh, dst, stride_dh, w_ptr, cos, sin, num_heads, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
