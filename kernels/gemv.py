@@ -290,6 +290,25 @@ def _skinny_gemm_kernel(
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
 
 
+def check_operands(
+    name: str, shapes: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """What every launch of the skinny kernel needs of x [M, K], weight [N, K]
+    and bias [N]: 2-D operands with equal K, one supported dtype for all three,
+    contiguous last dims (`shapes` names the expected shapes in the message)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name}: need {shapes}; got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"{name}: dtypes {x.dtype}, {weight.dtype} unsupported")
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"{name}: bias dtype {bias.dtype} != {x.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{name}: x and weight need a contiguous last dim")
+    n = weight.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"{name}: bias must be contiguous [{n}]")
+
+
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -300,21 +319,11 @@ def skinny_linear(
 ) -> torch.Tensor:
     """y = x W^T + b for x [M <= 8, K]; `config` overrides the tuned choice
     (benchmarks sweep through it)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"skinny_linear: need x [M, K], weight [N, K]; got {tuple(x.shape)}, "
-            f"{tuple(weight.shape)}"
-        )
+    check_operands("skinny_linear", "x [M, K], weight [N, K]", x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_M:
         raise ValueError(f"skinny_linear: M must be in 1..{MAX_M}, got {m}")
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"skinny_linear: dtypes {x.dtype}, {weight.dtype} unsupported")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("skinny_linear: x and weight need a contiguous last dim")
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"skinny_linear: bias must be contiguous [{n}]")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.stride(1) != 1:

@@ -27,7 +27,14 @@ import torch.nn.functional as F
 
 import kernels.gemv as gemv
 from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.gemv import _DTYPES, GemvConfig, _launch, _num_sms, pick_config, skinny_linear_torch
+from kernels.gemv import (
+    GemvConfig,
+    _launch,
+    _num_sms,
+    check_operands,
+    pick_config,
+    skinny_linear_torch,
+)
 
 
 def skinny_linear_silu_mul_torch(
@@ -64,27 +71,14 @@ def skinny_linear_silu_mul(
     fp32 sum are the plain kernel's, and the result is meant to equal
     skinny_linear followed by silu_and_mul_triton bit for bit. Graph-safe like
     skinny_linear: host ints only, nothing allocated but `out`."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"skinny_linear_silu_mul: need x [1, K], weight [2I, K]; got {tuple(x.shape)}, "
-            f"{tuple(weight.shape)}"
-        )
+    name = "skinny_linear_silu_mul"
+    check_operands(name, "x [1, K], weight [2I, K]", x, weight, bias)
     m, k = x.shape
     n2 = weight.shape[0]
     if m != 1:
-        raise ValueError(f"skinny_linear_silu_mul: M must be 1, got {m}")
+        raise ValueError(f"{name}: M must be 1, got {m}")
     if n2 % 2:
-        raise ValueError(
-            f"skinny_linear_silu_mul: gate_up weight needs an even row count, got {n2}"
-        )
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"skinny_linear_silu_mul: dtypes {x.dtype}, {weight.dtype} unsupported")
-    if bias is not None and bias.dtype != x.dtype:
-        raise ValueError(f"skinny_linear_silu_mul: bias dtype {bias.dtype} != {x.dtype}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("skinny_linear_silu_mul: x and weight need a contiguous last dim")
-    if bias is not None and (bias.shape != (n2,) or bias.stride(0) != 1):
-        raise ValueError(f"skinny_linear_silu_mul: bias must be contiguous [{n2}]")
+        raise ValueError(f"{name}: gate_up weight needs an even row count, got {n2}")
     inter = n2 // 2
     if out is None:
         out = torch.empty(m, inter, dtype=x.dtype, device=x.device)

@@ -93,6 +93,12 @@ def test_skinny_linear_rejects_bad_m(m: int) -> None:
         skinny_linear(x, torch.randn(32, 64, device=DEVICE))
 
 
+def test_skinny_linear_rejects_a_bias_of_another_dtype() -> None:
+    x, w, b, _ = _problem(1, 32, 64, torch.float32, True)
+    with pytest.raises(ValueError, match="bias dtype"):
+        skinny_linear(x, w, b.double())
+
+
 def test_pick_config_host_only() -> None:
     """Llama-3-8B shapes on 132 SMs: enough programs per SM, BLOCK_N floors kept."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
