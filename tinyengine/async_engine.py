@@ -81,7 +81,7 @@ class Health:
 class _Add:
     stream: RequestStream
     prompts: list[PromptType]
-    params: SamplingParams
+    params: list[SamplingParams]  # one per prompt
     arrival: float
 
 
@@ -235,10 +235,17 @@ class AsyncLLMEngine:
     # --- requests (event loop side) ---
 
     def submit(
-        self, prompts: Sequence[PromptType], params: SamplingParams, request_id: str
+        self,
+        prompts: Sequence[PromptType],
+        params: SamplingParams | Sequence[SamplingParams],
+        request_id: str,
     ) -> RequestStream:
-        """Queue one engine request per prompt; outputs arrive on the stream.
-        Validation happens in the engine thread: await `stream.accepted()`."""
+        """Queue one engine request per prompt (`params`: one for all, or one
+        per prompt); outputs arrive on the stream. Validation happens in the
+        engine thread: await `stream.accepted()`."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
         if not self.ready:
             raise EngineNotReadyError(self.not_ready_message())
         if len(prompts) == 1:
@@ -246,7 +253,7 @@ class AsyncLLMEngine:
         else:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         stream = RequestStream(self, ids)
-        self._post(_Add(stream, list(prompts), params, time.monotonic()))
+        self._post(_Add(stream, list(prompts), per_prompt, time.monotonic()))
         return stream
 
     def not_ready_message(self) -> str:
@@ -319,10 +326,12 @@ class AsyncLLMEngine:
         engine, stream = self.engine, add.stream
         added: list[str] = []
         try:
-            for index, (prompt, request_id) in enumerate(
-                zip(add.prompts, stream.request_ids, strict=True)
+            for index, (prompt, params, request_id) in enumerate(
+                zip(add.prompts, add.params, stream.request_ids, strict=True)
             ):
-                engine.add_request(prompt, add.params, request_id)
+                # The server's rule (OpenAI's, vLLM's): a max_tokens that does
+                # not fit beside the prompt is an error, not silently cut.
+                engine.add_request(prompt, params, request_id, strict_max_tokens=True)
                 added.append(request_id)
                 num_prompt = len(engine.states[request_id].request.prompt_token_ids)
                 self._live[request_id] = _Live(stream, index, add.arrival, None, num_prompt)

@@ -155,8 +155,18 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        strict_max_tokens: bool = False,
     ) -> str:
+        """Queue one request. A max_tokens that overshoots max_model_len is cut
+        to the room left (as vLLM's offline LLM does), or, with
+        strict_max_tokens, refused (the OpenAI server's rule, as vLLM's)."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(
+                f"SamplingParams.n={params.n}: the engine runs one sequence per request; "
+                "submit params.fan_out() (LLM.generate and the server do)"
+            )
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
@@ -173,6 +183,12 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none")
         room = self.max_model_len - len(token_ids)
+        if strict_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {len(token_ids)} "
+                f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(token_ids)})"
+            )
         max_tokens = min(params.max_tokens or room, room)
         request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids)
         self.scheduler.add_request(request)  # validates; raises before we keep any state

@@ -59,26 +59,29 @@ class LLM:
                     "pass one, or one per prompt"
                 )
         engine = self.engine
-        ids: list[str] = []
+        groups: list[list[str]] = []  # per prompt: its n engine requests
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 # Only finished outputs are returned, so ask for nothing else
                 # (on a copy: the caller's params stay as given).
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(engine.add_request(prompt, params))
+                groups.append([])
+                for child in params.fan_out():
+                    groups[-1].append(engine.add_request(prompt, child))
         except Exception:
-            for request_id in ids:  # all or nothing: no half-submitted batch left behind
+            for request_id in (r for g in groups for r in g):  # all or nothing
                 engine.abort_request(request_id)
             raise
 
         final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+        total = sum(len(g) for g in groups)
+        with tqdm(total=total, desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
                         final[output.request_id] = output
                         bar.update(1)
-        return [final[request_id] for request_id in ids]
+        return [_merge([final[r] for r in group]) for group in groups]
 
     def chat(
         self,
@@ -109,3 +112,13 @@ class LLM:
 
     def reset_step_profile(self) -> None:
         self.engine.reset_step_profile()
+
+
+def _merge(children: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n finished requests as one RequestOutput with n
+    completions (index i: the i-th), under the first request's id."""
+    if len(children) == 1:
+        return children[0]
+    first = children[0]
+    outputs = [dataclasses.replace(c.outputs[0], index=i) for i, c in enumerate(children)]
+    return dataclasses.replace(first, outputs=outputs)

@@ -7,7 +7,7 @@ offending field, turning a request into SamplingParams, and the error body
 `{"error": {"message", "type", "param", "code"}}`.
 
 Must never: touch the engine, or accept a field it cannot honour silently (a
-request for n=2 or a presence penalty is refused, not ignored). Unknown fields
+request with logit_bias or a suffix is refused, not ignored). Unknown fields
 are ignored, as OpenAI clients send fields (`user`, ...) a server may not use.
 """
 
@@ -81,7 +81,7 @@ class _SamplingRequest(_Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=128)  # completions per prompt (fanned out)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
@@ -94,19 +94,13 @@ class _SamplingRequest(_Strict):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request(
-                f"n={self.n} is not supported: tinyengine returns one choice per prompt (n=1)", "n"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported; leave it at 0", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -115,10 +109,16 @@ class _SamplingRequest(_Strict):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
             return SamplingParams(
+                n=self.n or 1,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if self.top_k is None else self.top_k,
                 min_p=0.0 if self.min_p is None else self.min_p,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -146,12 +146,19 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            # The prompt's tokens would need logprobs too (vLLM's prompt_logprobs).
+            raise bad_request(
+                "echo with logprobs is not supported: tinyengine does not compute prompt "
+                "logprobs", "echo",
+            )  # fmt: skip
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of is not supported (only 1)", "best_of")
+        if self.best_of not in (None, 1, self.n):
+            raise bad_request(
+                f"best_of={self.best_of} is not supported: only best_of == n (no ranking)",
+                "best_of",
+            )
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """The prompts as engine inputs: text, or {"prompt_token_ids": [...]}."""

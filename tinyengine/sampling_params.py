@@ -6,7 +6,7 @@ naming the field). Must never import torch: the scheduler reads these too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 # vLLM caps the number of logprobs a request may ask for; we do the same so a
@@ -38,11 +38,16 @@ class SamplingParams:
     tokens of the model's (unmodified) distribution.
     """
 
-    n: int = 1  # completions per prompt; only 1 is supported
+    n: int = 1  # completions per prompt (LLM.generate and the server fan them out)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    # Penalties on tokens already seen (worker/penalties.py has the maths):
+    # vLLM's ranges; 0, 0 and 1 switch them off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -66,8 +71,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if self.n != 1:
-            raise bad("n", "must be 1 (several completions per prompt are not supported)")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -76,6 +81,12 @@ class SamplingParams:
             raise bad("top_k", "must be -1 or 0 (disabled) or an integer >= 1")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 1e4:
+            raise bad("repetition_penalty", "must be a number > 0 (1 = off)")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -94,6 +105,24 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+
+    def fan_out(self) -> list[SamplingParams]:
+        """The n one-sequence requests that serve n completions of a prompt
+        (the engine runs one sequence per request; the prefix cache shares the
+        prompt's KV blocks among them). Completion i of a seeded request uses
+        seed + i: reproducible, and completion 0 equals the n=1 result."""
+        if self.n == 1:
+            return [self]
+        return [
+            replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+            for i in range(self.n)
+        ]
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -89,3 +89,33 @@ def test_llm_takes_a_preset_name(cache_dir, monkeypatch, llm):
 def test_llm_names_an_unknown_model():
     with pytest.raises(ValueError, match="not-a-model"):
         LLM("not-a-model", print_startup_report=False)
+
+
+def test_generate_with_n_returns_n_completions_per_prompt(llm):
+    """LLM.generate fans n out: one RequestOutput per prompt whose completion
+    i is what an n=1 request with seed + i gives; the engine itself refuses n
+    > 1 (it runs one sequence per request) rather than ignoring it."""
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    for out, prompt in zip(outs, PROMPTS[:2], strict=True):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for i, c in enumerate(out.outputs):
+            single = llm.generate(prompt, dataclasses.replace(params, n=1, seed=11 + i),
+                                  use_tqdm=False)[0].outputs[0]  # fmt: skip
+            assert c.token_ids == single.token_ids and c.text == single.text
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    with pytest.raises(ValueError, match="one sequence per request"):
+        llm.engine.add_request(PROMPTS[0], params)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_strict_max_tokens_refuses_what_the_default_cuts(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="'max_tokens' is too large: 500"):
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=500), strict_max_tokens=True)
+    assert not engine.has_unfinished_requests()
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True),
+                       use_tqdm=False)[0]  # fmt: skip
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 128  # max_model_len
+    assert out.outputs[0].finish_reason == "length"

@@ -182,6 +182,79 @@ def test_seeded_sampling_matches(client, llm):
     assert r.json()["choices"][0]["text"] == ref.outputs[0].text
 
 
+def test_n_choices_per_prompt_match_llm_generate(client, oai, llm, model_name):
+    """n > 1: choice k is prompt k // n's completion k % n, which samples as
+    an n=1 request with seed + k % n; LLM.generate(n=2) gives the same texts
+    (one RequestOutput per prompt, with n completions); each prompt's tokens
+    count once in usage, as OpenAI counts them."""
+    prompts = [PROMPT, "Name three primary colors:"]
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8)
+    refs = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.index for c in r.outputs] for r in refs] == [[0, 1], [0, 1]]
+    want = [c.text for r in refs for c in r.outputs]
+    single = llm.generate([prompts[0]], SamplingParams(temperature=1.0, seed=8, max_tokens=8),
+                          use_tqdm=False)[0]  # fmt: skip
+    assert want[1] == single.outputs[0].text  # completion 1 = the n=1 request with seed + 1
+    assert want[0] != want[1]  # seeds 7 and 8 differ (not one sample copied n times)
+
+    body = {"prompt": prompts, "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 8}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in out["choices"]] == want
+    prompt_tokens = sum(len(ref.prompt_token_ids) for ref in refs)
+    completion_tokens = sum(len(c.token_ids) for ref in refs for c in ref.outputs)
+    assert out["usage"]["prompt_tokens"] == prompt_tokens
+    assert out["usage"]["completion_tokens"] == completion_tokens
+
+    # Chat through the official client, streamed: deltas regroup by index.
+    ref = llm.chat(QUESTION, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6),
+                   use_tqdm=False)[0]  # fmt: skip
+    stream = oai.chat.completions.create(
+        model=model_name, messages=QUESTION, n=3, temperature=1.0, seed=3, max_tokens=6,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        usage = chunk.usage or usage
+    assert texts == {i: c.text for i, c in enumerate(ref.outputs)}
+    assert usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert usage.completion_tokens == sum(len(c.token_ids) for c in ref.outputs)
+
+
+def test_echo_puts_the_prompt_before_the_text(client, llm):
+    ref = llm.generate([PROMPT], greedy(5), use_tqdm=False)[0].outputs[0].text
+    ids = llm.get_tokenizer().encode(PROMPT)
+    for prompt, shown in ((PROMPT, PROMPT), (ids, llm.get_tokenizer().decode(ids))):
+        body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == shown + ref
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = read_sse(r)
+    assert events[0]["choices"][0]["text"] == shown  # the prompt comes first
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == shown + ref
+
+
+def test_penalties_match_llm_generate(oai, llm, model_name):
+    """OpenAI's presence/frequency penalties and vLLM's repetition_penalty
+    (extra_body) reach the sampler: the texts are the offline engine's, and
+    they differ from the unpenalized answer."""
+    kw = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3)
+    ref = llm.generate([PROMPT], greedy(24, **kw), use_tqdm=False)[0].outputs[0].text
+    plain = llm.generate([PROMPT], greedy(24), use_tqdm=False)[0].outputs[0].text
+    assert ref != plain
+    r = oai.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=24, temperature=0,
+        presence_penalty=0.8, frequency_penalty=0.6, extra_body={"repetition_penalty": 1.3},
+    )  # fmt: skip
+    assert r.choices[0].text == ref
+
+
 def test_chat_matches_llm_chat(client, oai, llm, model_name):
     ref = llm.chat(QUESTION, greedy(16), use_tqdm=False)[0]
     r = client.post(
@@ -353,13 +426,17 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi " * 600}, 400, None, "max_model_len"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than"),
     ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", "greater"),
-    ("completions", {"prompt": "hi", "n": 3}, 400, "n", "n=3"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than"),
+    ("completions", {"prompt": "hi", "max_tokens": 600}, 400, None, "maximum context length"),
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "prompt logprobs"),
+    ("completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "best_of == n"),
     ("completions", {"prompt": "hi", "top_k": -7}, 400, "top_k", "top_k"),
     ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "less than"),
     ("completions", {"prompt": [10**9]}, 400, None, "vocabulary"),
     ("chat/completions", {"messages": []}, 400, "messages", "non-empty"),
     ("chat/completions", {"messages": "hello"}, 400, "messages", "array"),
-    ("chat/completions", {"messages": QUESTION, "n": 2}, 400, "n", "n=2"),
+    ("chat/completions", {"messages": QUESTION, "n": 500}, 400, "n", "less than"),
+    ("chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, None, "max_tokens"),
     ("chat/completions", {"messages": QUESTION, "temperature": -1}, 400, "temperature", ">"),
     (
         "chat/completions",

@@ -89,8 +89,10 @@ def test_request_parsing():
     assert params.logprobs == 2 and params.max_tokens == 7
     for body, param in [
         (b'{"prompt": "a", "stream_options": {"include_usage": true}}', "stream_options"),
-        (b'{"prompt": "a", "presence_penalty": 0.5}', "presence_penalty"),
-        (b'{"prompt": "a", "echo": true}', "echo"),
+        (b'{"prompt": "a", "presence_penalty": 2.5}', "presence_penalty"),
+        (b'{"prompt": "a", "repetition_penalty": 0}', "repetition_penalty"),
+        (b'{"prompt": "a", "echo": true, "logprobs": 0}', "echo"),
+        (b'{"prompt": "a", "n": 2, "best_of": 4}', "best_of"),
         (b'{"prompt": "a", "top_p": 0}', "top_p"),
         (b'{"prompt": "a", "stream": 1}', "stream"),
         (b'{"prompt": "a", "min_tokens": 5, "max_tokens": 2}', "min_tokens"),

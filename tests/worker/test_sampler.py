@@ -546,7 +546,14 @@ def test_sampling_params_accepts_edges() -> None:
     assert math.isclose(SamplingParams(temperature=0.5).temperature, 0.5)
 
 
-def test_n_other_than_one_is_refused_by_name():
-    with pytest.raises(ValueError, match="SamplingParams.n"):
-        SamplingParams(n=2)
-    assert SamplingParams(n=1).n == 1
+def test_n_fans_out_into_one_sequence_requests():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="SamplingParams.n"):
+            SamplingParams(n=bad)
+    one = SamplingParams(n=1, seed=5)
+    assert one.fan_out() == [one]
+    kids = SamplingParams(n=3, seed=5, temperature=0.7, max_tokens=4).fan_out()
+    assert [(k.n, k.seed, k.temperature, k.max_tokens) for k in kids] == [
+        (1, 5, 0.7, 4), (1, 6, 0.7, 4), (1, 7, 0.7, 4)
+    ]  # fmt: skip
+    assert [k.seed for k in SamplingParams(n=2).fan_out()] == [None, None]

@@ -57,6 +57,11 @@ class _Job:
     params: SamplingParams
     num_logprobs: int | None  # None: no logprobs asked for
     include_usage: bool
+    echo: list[str] | None = None  # completions' echo: the prompt text, per prompt
+
+    @property
+    def n(self) -> int:
+        return self.params.n
 
 
 @router.post("/v1/completions", response_model=None)
@@ -65,8 +70,11 @@ async def create_completion(request: Request) -> JSONResponse | StreamingRespons
     req = parse_request(await _read_body(request), CompletionRequest)
     model = _check_model(request, req.model)
     params = req.sampling_params()
+    prompts = req.prompts()
     job = _Job(R.new_id("cmpl"), model, False, params, req.logprobs, req.include_usage_in_stream)
-    return await _generate(request, engine, req.prompts(), job, bool(req.stream))
+    if req.echo:
+        job.echo = [_prompt_text(engine, p) for p in prompts]
+    return await _generate(request, engine, prompts, job, bool(req.stream))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -98,6 +106,19 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
     job = _Job(R.new_id("chatcmpl"), model, True, params, num_logprobs, req.include_usage_in_stream)
     prompts: list[str | dict[str, Any]] = [{"prompt_token_ids": token_ids}]
     return await _generate(request, engine, prompts, job, bool(req.stream))
+
+
+def _prompt_text(engine: AsyncLLMEngine, prompt: str | dict[str, Any]) -> str:
+    """A prompt as text, for echo: the string itself, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("echo of token-id prompts needs a tokenizer; this model has none", "echo")
+    try:
+        return tokenizer.decode(prompt["prompt_token_ids"])
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise bad_request(f"prompt: cannot decode the token ids: {e}", "prompt") from e
 
 
 # --- request checks ---
@@ -152,8 +173,12 @@ async def _generate(
     job: _Job,
     stream: bool,
 ) -> JSONResponse | StreamingResponse:
+    # n completions per prompt are n engine requests (choice k = prompt k // n);
+    # the prefix cache shares the prompt's KV blocks among them.
+    children = job.params.fan_out()
+    choices = [p for p in prompts for _ in children]
     try:
-        rs = engine.submit(prompts, job.params, job.request_id)
+        rs = engine.submit(choices, children * len(prompts), job.request_id)
     except EngineNotReadyError as e:
         raise APIError(503, str(e), "service_unavailable") from e
     watcher = asyncio.create_task(_abort_on_disconnect(request, rs))
@@ -170,7 +195,7 @@ async def _generate(
         raise
     if stream:
         return StreamingResponse(
-            _stream(rs, watcher, job, len(prompts)),
+            _stream(rs, watcher, job, len(choices)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -184,11 +209,16 @@ async def _generate(
     finally:
         watcher.cancel()
         rs.abort()  # a no-op when everything finished
-    if len(finals) < len(prompts):  # aborted
+    if len(finals) < len(choices):  # aborted
         return _client_gone()
-    ordered = [finals[i] for i in range(len(prompts))]
-    build = R.chat_response if job.chat else R.completion_response
-    return JSONResponse(build(job.request_id, job.model, ordered, job.num_logprobs))
+    ordered = [finals[i] for i in range(len(choices))]
+    if job.chat:
+        body = R.chat_response(job.request_id, job.model, ordered, job.num_logprobs, job.n)
+    else:
+        body = R.completion_response(
+            job.request_id, job.model, ordered, job.num_logprobs, job.n, job.echo
+        )
+    return JSONResponse(body)
 
 
 def _client_gone() -> JSONResponse:
@@ -209,7 +239,7 @@ async def _abort_on_disconnect(request: Request, rs: RequestStream) -> None:
 
 
 async def _stream(
-    rs: RequestStream, watcher: asyncio.Task[None], job: _Job, num_prompts: int
+    rs: RequestStream, watcher: asyncio.Task[None], job: _Job, num_choices: int
 ) -> AsyncIterator[str]:
     created = R.now()
     chat = job.chat
@@ -217,9 +247,9 @@ async def _stream(
     # With include_stop_str_in_output the stop string is part of the answer and
     # nothing needs holding back.
     stops = [] if params.include_stop_str_in_output else list(params.stop or [])
-    sent_chars = [0] * num_prompts
-    sent_tokens = [0] * num_prompts
-    token_text_end = [0] * num_prompts  # where the next token's text starts (logprobs)
+    sent_chars = [0] * num_choices
+    sent_tokens = [0] * num_choices
+    token_text_end = [0] * num_choices  # where the next token's text starts (logprobs)
     finals: dict[int, RequestOutput] = {}
 
     def emit(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
@@ -227,7 +257,9 @@ async def _stream(
 
     try:
         if chat:  # OpenAI opens each choice with the assistant role
-            yield emit([R.chunk_choice(True, i, "", role="assistant") for i in range(num_prompts)])
+            yield emit([R.chunk_choice(True, i, "", role="assistant") for i in range(num_choices)])
+        elif job.echo is not None:  # the prompt first, as vLLM streams echo
+            yield emit([R.chunk_choice(False, i, job.echo[i // job.n]) for i in range(num_choices)])
         async for index, output in rs.outputs():
             c = output.outputs[0]
             text = c.text
@@ -257,9 +289,9 @@ async def _stream(
             yield emit([R.chunk_choice(chat, index, content, logprobs, c.finish_reason)])
             if c.finished:
                 finals[index] = output
-        if job.include_usage and len(finals) == num_prompts:
-            ordered = [finals[i] for i in range(num_prompts)]
-            yield emit([], R.usage(ordered))
+        if job.include_usage and len(finals) == num_choices:
+            ordered = [finals[i] for i in range(num_choices)]
+            yield emit([], R.usage(ordered, job.n))
         yield R.SSE_DONE
     except RequestFailedError as e:
         # Headers went out long ago: the error travels as an event, as in vLLM.

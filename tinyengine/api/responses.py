@@ -37,8 +37,10 @@ def sse(data: dict[str, Any] | str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def usage(outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, int]:
+    """Token counts of a response whose choices are n per prompt (in prompt
+    order): each prompt counts once, as OpenAI and vLLM count it."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
         "prompt_tokens": prompt,
@@ -118,8 +120,15 @@ def chat_logprobs(
 
 
 def completion_response(
-    request_id: str, model: str, finals: Sequence[RequestOutput], num_logprobs: int | None
+    request_id: str,
+    model: str,
+    finals: Sequence[RequestOutput],
+    num_logprobs: int | None,
+    n: int = 1,
+    echo: Sequence[str] | None = None,
 ) -> dict[str, Any]:
+    """`finals`: n choices per prompt, in order; `echo`: per prompt, the text
+    to put before each of its choices' text."""
     choices = []
     for index, out in enumerate(finals):
         c = out.outputs[0]
@@ -129,7 +138,7 @@ def completion_response(
         choices.append(
             {
                 "index": index,
-                "text": c.text,
+                "text": c.text if echo is None else echo[index // n] + c.text,
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -141,12 +150,16 @@ def completion_response(
         "created": now(),
         "model": model,
         "choices": choices,
-        "usage": usage(finals),
+        "usage": usage(finals, n),
     }
 
 
 def chat_response(
-    request_id: str, model: str, finals: Sequence[RequestOutput], num_logprobs: int | None
+    request_id: str,
+    model: str,
+    finals: Sequence[RequestOutput],
+    num_logprobs: int | None,
+    n: int = 1,
 ) -> dict[str, Any]:
     choices = []
     for index, out in enumerate(finals):
@@ -169,7 +182,7 @@ def chat_response(
         "created": now(),
         "model": model,
         "choices": choices,
-        "usage": usage(finals),
+        "usage": usage(finals, n),
     }
 
 

@@ -37,6 +37,7 @@ from tinyengine.worker.cuda_graphs import (
 )
 from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
+from tinyengine.worker.penalties import TokenHistory
 from tinyengine.worker.sample_output import PendingSample, SamplerOutput
 from tinyengine.worker.sampler import Sampler
 
@@ -67,6 +68,7 @@ class ModelRunner:
         self.attention_ops = kernels.get_attention_ops(backend)
         self.sampler = Sampler(self.device, seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.histories: dict[str, TokenHistory] = {}  # requests with penalties
         self.buffers = InputBuffers.allocate(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device
         )
@@ -301,6 +303,7 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             [self._generator(r.request_id, r.sampling_params.seed) for r in requests],
             [_banned_tokens(r) for r in requests],
+            [self._history(r, logits.shape[-1]) for r in requests],
         )
         # The next step may read these ids on the device (asynchronous scheduling).
         self._last_sampled = (pending.token_ids, {r.request_id: i for i, r in enumerate(requests)})
@@ -384,8 +387,21 @@ class ModelRunner:
             generator = self.generators[request_id] = self.sampler.new_generator(seed)
         return generator
 
+    def _history(self, request, vocab: int) -> TokenHistory | None:
+        """A penalized request's device-side token history (worker/penalties.py),
+        made at its first sampled step; it outlives preemption, as generators do."""
+        if not request.sampling_params.has_penalties:
+            return None
+        history = self.histories.get(request.request_id)
+        if history is None:
+            history = self.histories[request.request_id] = self.sampler.new_history(
+                request.prompt_token_ids, vocab
+            )
+        return history
+
     def free_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.histories.pop(request_id, None)
         self.block_table.release(request_id)
 
 

@@ -1,6 +1,7 @@
 """Sampler: one batch of logits -> one next token per row (+ optional logprobs).
 
-Owns the per-step token choice: banned-token masking, greedy argmax,
+Owns the per-step token choice: penalties (worker/penalties.py), banned-token
+masking, greedy argmax,
 temperature, top-k / top-p / min-p filtering, seeded and unseeded random
 sampling, and the logprobs a request asked for. Everything is vectorized over
 the batch; the host learns the results through exactly one device->host copy.
@@ -52,6 +53,7 @@ import os
 import torch
 
 from tinyengine.sampling_params import SamplingParams
+from tinyengine.worker.penalties import TokenHistory, penalize, record
 from tinyengine.worker.sample_output import PendingSample, SamplerOutput, to_host
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a
@@ -98,9 +100,14 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         banned_token_ids: list[list[int]] | None = None,
+        histories: list[TokenHistory | None] | None = None,
     ) -> SamplerOutput:
         """Sample and wait for the result (sample(...).result())."""
-        return self.sample(logits, params, generators, banned_token_ids).result()
+        return self.sample(logits, params, generators, banned_token_ids, histories).result()
+
+    def new_history(self, prompt_token_ids: list[int], vocab: int) -> TokenHistory:
+        """The device-side token history a request with penalties needs."""
+        return TokenHistory(prompt_token_ids, vocab, self._to_device)
 
     def sample(
         self,
@@ -108,7 +115,10 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         banned_token_ids: list[list[int]] | None = None,
+        histories: list[TokenHistory | None] | None = None,
     ) -> PendingSample:
+        """`histories`: per row, its TokenHistory (needed by rows with
+        penalties, which count their sampled token into it here)."""
         num_rows, vocab = logits.shape
         if len(params) != num_rows or len(generators) != num_rows:
             raise ValueError(
@@ -120,10 +130,30 @@ class Sampler:
                 f"Sampler got {num_rows} logit rows but {len(banned_token_ids)} "
                 "banned_token_ids lists; pass one (possibly empty) list per row"
             )
+        # Penalized rows draw from adjusted logits (a copy); logprobs stay raw.
+        raw = logits
+        if any(p.has_penalties for p in params):
+            logits = penalize(logits, params, histories or [None] * num_rows, self._to_device)
         if self.fused:
-            return self._sample_fused(logits, params, generators, banned_token_ids)
-        raw = logits.float()  # no-op for fp32; softmax maths wants fp32 anyway
-        masked = self._ban(raw, banned_token_ids)
+            pending = self._sample_fused(raw, logits, params, generators, banned_token_ids)
+        else:
+            pending = self._sample_torch(raw, logits, params, generators, banned_token_ids)
+        if raw is not logits:
+            record(pending.token_ids, params, histories or [None] * num_rows)
+        return pending
+
+    # ------------------------------------------------------------------ steps
+
+    def _sample_torch(
+        self,
+        raw: torch.Tensor,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned_token_ids: list[list[int]] | None,
+    ) -> PendingSample:
+        """The CPU path (module docstring). `logits`: penalized, `raw`: not."""
+        masked = self._ban(logits.float(), banned_token_ids)  # no-op .float() for fp32
 
         # Greedy rows are decided on the host from params (no sync); argmax is
         # cheap, so take it for every row and let sampled rows overwrite it.
@@ -138,8 +168,6 @@ class Sampler:
                 tokens = sampled
 
         return self._collect(raw, tokens, params)
-
-    # ------------------------------------------------------------------ steps
 
     def _ban(self, logits: torch.Tensor, banned: list[list[int]] | None) -> torch.Tensor:
         """-inf at banned (row, token) pairs, on a copy: the caller's logits stay raw."""
@@ -191,13 +219,14 @@ class Sampler:
 
     def _sample_fused(
         self,
+        raw: torch.Tensor,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         banned: list[list[int]] | None,
     ) -> PendingSample:
         """Every row through kernels/sampling.py (module docstring: fast path
-        and filter path)."""
+        and filter path). `logits`: penalized, `raw`: not (for logprobs)."""
         # Imported here: importing triton at module import would break the
         # runner's switch to the Triton interpreter on CPU.
         from kernels.sampling import gumbel_argmax_triton
@@ -214,7 +243,7 @@ class Sampler:
             ]
             inv_t = self._to_device(inv_temp, torch.float32)
             tokens = gumbel_argmax_triton(self._ban(logits, banned), inv_t, seeds)
-            return self._collect(logits, tokens, params)
+            return self._collect(raw, tokens, params)
 
         # Filter path: the CPU path's cutoffs (on the fp32 logits divided by
         # the temperature), then the same draw on the raw logits with -inf at
@@ -241,7 +270,7 @@ class Sampler:
         # masks nothing exactly, so it sees exactly the fast path's input.
         masked = self._ban(logits, banned).masked_fill(scaled < cutoff, float("-inf"))
         tokens = gumbel_argmax_triton(masked, t[:, _INV_TEMP], seeds)
-        return self._collect(logits, tokens, params)
+        return self._collect(raw, tokens, params)
 
     def _seeds(self, generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
         """One int64 seed per row on the device for the fused kernel's noise:
