@@ -148,3 +148,29 @@ def test_frequency_penalty_sees_the_in_flight_token(llama_path):
     plain = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(
         temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
     assert plain.outputs[0].token_ids != runs[1][0]
+
+
+@pytest.mark.gpu
+def test_penalties_on_cuda_graphs_async_equals_sync(llama_path):
+    """On the GPU (fused sampler, CUDA graphs, real asynchronous copies): the
+    penalized greedy tokens do not depend on async scheduling, equal HF's
+    repetition_penalty in fp32, and nothing compiles after READY."""
+    from kernels import jit_monitor
+
+    model = load_hf_model(llama_path).cuda()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    want = []
+    for prompt in PROMPTS:
+        out = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
+                             max_new_tokens=12, repetition_penalty=1.8)  # fmt: skip
+        want.append(out[0, len(prompt) :].tolist())
+    del model
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8)
+    for config in ({"async_scheduling": True}, {"async_scheduling": False}):
+        llm = LLM(llama_path, dtype="float32", max_model_len=64, max_num_seqs=8,
+                  print_startup_report=False, **config)  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, config
+        assert jit_monitor.compiled_since(llm.engine._jit_compiles_at_ready) == []
+        del llm
