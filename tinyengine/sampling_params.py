@@ -59,6 +59,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict = field(default_factory=dict, repr=False)
+    # Set by __post_init__ (the sampler asks for every row every step, so a
+    # plain attribute, not a property).
+    has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +69,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self.has_penalties = bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -117,12 +123,6 @@ class SamplingParams:
             replace(self, n=1, seed=None if self.seed is None else self.seed + i)
             for i in range(self.n)
         ]
-
-    @property
-    def has_penalties(self) -> bool:
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-        )
 
     @property
     def greedy(self) -> bool:

@@ -303,7 +303,7 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             [self._generator(r.request_id, r.sampling_params.seed) for r in requests],
             [_banned_tokens(r) for r in requests],
-            [self._history(r, logits.shape[-1]) for r in requests],
+            self._histories(requests, logits.shape[-1]),
         )
         # The next step may read these ids on the device (asynchronous scheduling).
         self._last_sampled = (pending.token_ids, {r.request_id: i for i, r in enumerate(requests)})
@@ -387,17 +387,23 @@ class ModelRunner:
             generator = self.generators[request_id] = self.sampler.new_generator(seed)
         return generator
 
-    def _history(self, request, vocab: int) -> TokenHistory | None:
-        """A penalized request's device-side token history (worker/penalties.py),
-        made at its first sampled step; it outlives preemption, as generators do."""
-        if not request.sampling_params.has_penalties:
+    def _histories(self, requests: list, vocab: int) -> list[TokenHistory | None] | None:
+        """Per row, a penalized request's device-side token history
+        (worker/penalties.py), made at its first sampled step; it outlives
+        preemption, as generators do. None when no row has penalties."""
+        if not any(r.sampling_params.has_penalties for r in requests):
             return None
-        history = self.histories.get(request.request_id)
-        if history is None:
-            history = self.histories[request.request_id] = self.sampler.new_history(
-                request.prompt_token_ids, vocab
-            )
-        return history
+        out: list[TokenHistory | None] = []
+        for r in requests:
+            history = None
+            if r.sampling_params.has_penalties:
+                history = self.histories.get(r.request_id)
+                if history is None:
+                    history = self.histories[r.request_id] = self.sampler.new_history(
+                        r.prompt_token_ids, vocab
+                    )
+            out.append(history)
+        return out
 
     def free_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
