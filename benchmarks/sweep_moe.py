@@ -115,6 +115,11 @@ def candidates(cls: int, gemm: str, heur: dict[str, int]) -> tuple[list[dict], l
         tma_bns = (128, 256)  # gate_up bn256 = 256 acc regs/thread: listed, pruned
         tiles += [_tile(128, bn, 64, 8, st, 8, tma) for tma in (1, 2) for bn in tma_bns
                   for st in (3, 4)]  # fmt: skip
+        # 64-row TMA tiles: at ~128 rows per expert (T=4096) a 128-row tile
+        # pads about half the experts to a second, nearly empty tile; 64-row
+        # tiles halve that padding (more weight re-reads, from L2 when grouped).
+        tiles += [_tile(64, bn, 64, w, st, 8, 2) for bn, w in ((128, 4), (128, 8), (256, 4),
+                  (256, 8)) for st in (3, 4, 5)]  # fmt: skip
     keep, pruned = [dict(heur)], []
     for c in tiles:
         if tile_key(c) == tile_key(heur):
