@@ -229,6 +229,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     def tie_word_embeddings(self) -> bool:
         return self.args.tie_word_embeddings
 
+    def skips_checkpoint_name(self, ckpt_name: str) -> bool:
+        """Names the loader ignores: with n_shared_experts = 0, transformers
+        still saves shared-expert MLPs of width 0 (no values), which this
+        model, having no shared experts, has no parameters for."""
+        moe = self.args.moe
+        return moe is not None and moe.n_shared_experts == 0 and ".mlp.shared_experts." in ckpt_name
+
     def route_checkpoint_name(self, ckpt_name: str) -> tuple[str, Any] | None:
         """Per-expert checkpoint names -> (stacked parameter, shard id); None
         for every other name (the loader's packed mapping handles those)."""

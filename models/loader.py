@@ -114,6 +114,8 @@ def load_weights(
     # A model may route some names itself (e.g. per-expert tensors into stacked
     # expert weights); it returns None for the names it leaves to `packed`.
     route_own = getattr(model, "route_checkpoint_name", None)
+    # ... and may ignore some (tensors that hold nothing for it).
+    skip_own = getattr(model, "skips_checkpoint_name", None)
     tied = bool(getattr(model, "tie_word_embeddings", False))
     params = dict(model.named_parameters())  # a tied weight appears once
 
@@ -123,6 +125,8 @@ def load_weights(
     unexpected: list[str] = []
     for ckpt_name, file in weight_map.items():
         if _skipped(ckpt_name, num_hidden_layers, tied):
+            continue
+        if skip_own is not None and skip_own(ckpt_name):
             continue
         routed = route_own(ckpt_name) if route_own is not None else None
         param_name, shard_id = routed if routed is not None else _route(ckpt_name, packed)

@@ -52,6 +52,18 @@ def test_logits_match_hf(tiny, variant):
     torch.testing.assert_close(torch.cat(got), ref, atol=TOL, rtol=0)
 
 
+def test_no_shared_experts_matches_hf(tmp_path):
+    """n_shared_experts = 0: transformers still saves zero-width shared-expert
+    MLPs; the model has none, skips those tensors, and matches HF."""
+    path = make_tiny_deepseek("v2-lite", tmp_path, n_shared_experts=0)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert any(".shared_experts." in name for name in f.keys())
+    ids = _tokens(12, 5)
+    harness = PagedHarness(load_tiny(path), block_size=8, num_blocks=8)
+    got = [harness.step({0: ids[:9]})[0]] + [harness.step({0: [t]})[0] for t in ids[9:]]
+    torch.testing.assert_close(torch.cat(got), hf_logits(path, ids), atol=TOL, rtol=0)
+
+
 def test_mixed_batch_with_padding(tiny):
     """One step holding a decode row, a prompt and a chunk after a prefix
     (out of order), plus padding rows: each row must still match HF."""
