@@ -505,6 +505,14 @@ def test_api_key(server):
 # --- health, models, metrics ---
 
 
+def test_models_retrieve_through_the_official_client(oai, model_name):
+    card = oai.models.retrieve(model_name)
+    assert card.id == model_name and card.object == "model"
+    assert [m.id for m in oai.models.list().data] == [model_name]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.models.retrieve("gpt-4")
+
+
 def test_health_models_and_metrics(client, model_name):
     h = client.get("/health")
     assert h.status_code == 200

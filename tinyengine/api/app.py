@@ -3,7 +3,7 @@
 Owns `create_app(settings)`: the AsyncLLMEngine's lifetime (started when the
 server starts, so /health answers at once while the model loads), the API-key
 check, the OpenAI-style error bodies for every failure (including FastAPI's
-and Starlette's own 404/405), and GET /health, /v1/models and /metrics. The
+and Starlette's own 404/405), and GET /health, /v1/models(/{id}) and /metrics. The
 generation endpoints live in generate.py.
 
 Must never: call LLMEngine directly (only through AsyncLLMEngine), or let an
@@ -59,9 +59,8 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
 
     protected = APIRouter(dependencies=[Depends(require_api_key)])
 
-    @protected.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": settings.model_name,
             "object": "model",
             "created": 0,
@@ -69,7 +68,22 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
             "root": settings.model,
             "max_model_len": engine.engine.max_model_len if engine.ready else None,
         }
-        return {"object": "list", "data": [card]}
+
+    @protected.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @protected.get("/v1/models/{model:path}")  # OpenAI's models.retrieve; ids may hold "/"
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        if model != settings.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
 
     @protected.get("/metrics")
     async def metrics() -> PlainTextResponse:
