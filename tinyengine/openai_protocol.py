@@ -95,6 +95,8 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
+    # Only {"type": "text"}: json_object / json_schema need guided decoding.
+    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -103,6 +105,12 @@ class _SamplingRequest(_Strict):
     def check_supported(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request(
+                f"response_format {self.response_format.get('type')!r} is not supported: "
+                "tinyengine has no guided (JSON-constrained) decoding; use {'type': 'text'}",
+                "response_format",
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 

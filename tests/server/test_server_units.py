@@ -93,6 +93,7 @@ def test_request_parsing():
         (b'{"prompt": "a", "repetition_penalty": 0}', "repetition_penalty"),
         (b'{"prompt": "a", "echo": true, "logprobs": 0}', "echo"),
         (b'{"prompt": "a", "n": 2, "best_of": 4}', "best_of"),
+        (b'{"prompt": "a", "response_format": {"type": "json_object"}}', "response_format"),
         (b'{"prompt": "a", "top_p": 0}', "top_p"),
         (b'{"prompt": "a", "stream": 1}', "stream"),
         (b'{"prompt": "a", "min_tokens": 5, "max_tokens": 2}', "min_tokens"),
