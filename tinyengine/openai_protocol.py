@@ -215,11 +215,21 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tools reach the chat template only with tool_choice "none": nothing
+    # parses tool calls out of the output (vLLM needs a tool-call parser too).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
             raise bad_request("messages must be a non-empty list", "messages")
+        if self.tools and self.tool_choice != "none":
+            raise bad_request(
+                "tool calling is not supported (no tool-call parser); send tool_choice "
+                "'none' to render the tools into the prompt only, or leave tools out",
+                "tool_choice",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 

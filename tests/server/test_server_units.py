@@ -3,6 +3,8 @@ presets, request parsing and Prometheus rendering. No model, no process."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tinyengine.api.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings, parse_option
@@ -87,6 +89,13 @@ def test_request_parsing():
     assert chat.template_messages() == [{"role": "user", "content": "ab"}]
     params = chat.sampling_params()
     assert params.logprobs == 2 and params.max_tokens == 7
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    chat_body = {"messages": [{"role": "user", "content": "a"}], "tools": [tool]}
+    with pytest.raises(APIError) as e:  # tool_choice defaults to "auto": no parser
+        parse_request(json.dumps(chat_body).encode(), ChatCompletionRequest)
+    assert e.value.status == 400 and e.value.param == "tool_choice"
+    chat_body["tool_choice"] = "none"  # rendered into the prompt only
+    assert parse_request(json.dumps(chat_body).encode(), ChatCompletionRequest).tools == [tool]
     for body, param in [
         (b'{"prompt": "a", "stream_options": {"include_usage": true}}', "stream_options"),
         (b'{"prompt": "a", "presence_penalty": 2.5}', "presence_penalty"),

@@ -98,6 +98,7 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
             messages,
             add_generation_prompt=req.add_generation_prompt,
             tokenize=True,
+            **({"tools": req.tools} if req.tools else {}),
             **(req.chat_template_kwargs or {}),
         )
     except (ValueError, TypeError) as e:
