@@ -18,6 +18,10 @@ _BACKENDS = ("auto", "torch", "triton")
 _GRAPH_BACKENDS = ("auto", "cuda", "recording", "none")
 
 
+_VLLM_FIXED = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+_VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats"}
+
+
 @dataclass
 class EngineConfig:
     model: str = ""
@@ -64,6 +68,16 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        # vLLM options a vLLM script passes, taken so it runs unchanged: those
+        # with the one value tinyengine has (one GPU), and those that change
+        # nothing here (no code from the model folder is ever run; no periodic
+        # stats log). Any other value is an error.
+        for name, only in _VLLM_FIXED.items():
+            if name in kwargs and kwargs.pop(name) != only:
+                raise ValueError(f"{name}: tinyengine runs on one device; only {only} is supported")
+        for name in _VLLM_NO_EFFECT & set(kwargs):
+            if not isinstance(kwargs.pop(name), bool):
+                raise ValueError(f"{name} must be True or False")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
