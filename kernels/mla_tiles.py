@@ -77,12 +77,21 @@ def _num_splits_for(
 
 @functools.lru_cache(maxsize=4096)
 def mla_config(
-    num_seqs: int, num_heads: int, latent_dim: int, max_seq_len: int, num_sms: int
-) -> tuple[int, int, int, int, int]:
+    num_seqs: int, num_heads: int, latent_dim: int, max_seq_len: int, num_sms: int,
+    elem_bytes: int = 2,
+) -> tuple[int, int, int, int, int]:  # fmt: skip
     """(block_h, block_n, num_warps, num_stages, num_splits) from host ints only,
     so a CUDA graph captured for a batch size stays valid for any seq_lens up
-    to max_seq_len. The tile shape depends on (num_heads, latent_dim) alone;
-    only num_splits (a runtime argument) follows the batch and the context."""
+    to max_seq_len. The tile shape depends on (num_heads, latent_dim, the
+    element size) alone; only num_splits (a runtime argument) follows the
+    batch and the context."""
     block_h = _block_h_for(num_heads)
+    block_n = _BLOCK_N[block_h]
+    if elem_bytes > 2:
+        # fp32 (tests, references): half the heads and half the rows keep the
+        # tiles' shared memory at the bf16 tiles' (which fit); the bf16 tile
+        # in fp32 would not at DeepSeek-V3's widths (64 heads x 576 + 2
+        # stages of 64 rows x 576, in 4-byte elements: > 227 KB).
+        block_h, block_n = max(16, block_h // 2), max(16, block_n // 2)
     num_splits = _num_splits_for(num_seqs, num_heads, block_h, latent_dim, max_seq_len, num_sms)
-    return block_h, _BLOCK_N[block_h], _warps_for(block_h, latent_dim), _NUM_STAGES, num_splits
+    return block_h, block_n, _warps_for(block_h, latent_dim), _NUM_STAGES, num_splits

@@ -53,12 +53,13 @@ def moe_size_class(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int,
-               inter: int) -> dict[str, dict[str, int]]:  # fmt: skip
+               inter: int, elem_bytes: int = 2) -> dict[str, dict[str, int]]:  # fmt: skip
     """Tiles for both GEMMs, from host ints only: {"gate_up": {...}, "down":
     {...}}, each with block_m/n/k, num_warps, num_stages, group_m, tma. The class's
     tiles, with BLOCK_N and BLOCK_K cut to the (power-of-two-rounded) matrix
-    sizes for small models; for a given model that is still one variant per
-    class, so at most len(CLASS_CONFIGS) compiled variants per kernel."""
+    sizes for small models (and half the stages for 4-byte elements); for a
+    given model that is still one variant per class, so at most
+    len(CLASS_CONFIGS) compiled variants per kernel."""
     cls = CLASS_CONFIGS[moe_size_class(num_tokens, top_k, num_experts)]
     sizes = {"gate_up": (inter, hidden), "down": (hidden, inter)}  # (N, K)
     out = {}
@@ -67,6 +68,11 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int,
         c = dict(cls[gemm])
         c["block_n"] = min(c["block_n"], max(16, _next_power_of_2(n)))
         c["block_k"] = min(c["block_k"], max(16, _next_power_of_2(k)))
+        if elem_bytes > 2:
+            # fp32 (tests, references): half the pipeline stages keep the
+            # shared memory at or below the bf16 tiles' (which fit); e.g.
+            # class 0's gate_up ring is ~204 KB in bf16, ~408 KB in fp32.
+            c["num_stages"] = max(1, c["num_stages"] // 2)
         out[gemm] = c
     return out
 

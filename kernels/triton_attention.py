@@ -382,7 +382,9 @@ def _common_args(
     )  # fmt: skip
 
 
-def prefill_config(head_dim_k: int, max_query_len: int, group: int) -> tuple[int, int, int, int]:
+def prefill_config(
+    head_dim_k: int, max_query_len: int, group: int, elem_bytes: int = 2
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill/mixed kernel.
 
     Measured on an H200 (benchmarks/bench_kernels.py --sweep, 8k causal, d128):
@@ -392,12 +394,20 @@ def prefill_config(head_dim_k: int, max_query_len: int, group: int) -> tuple[int
     256-row tiles; 256-wide heads (Dk 192 padded) get small tiles to fit.
     """
     rows = max(16, min(256, triton.next_power_of_2(max_query_len * group)))
-    rows = max(rows, triton.next_power_of_2(group))  # a tile holds >= 1 token's heads
+    least = triton.next_power_of_2(group)  # a tile holds >= 1 token's heads
+    rows = max(rows, least)
     if triton.next_power_of_2(head_dim_k) > 128:
-        return min(rows, 64), 32, 4, 2
-    if rows >= 256:
-        return rows, 64, 8, 2
-    return rows, 64, 4, 3
+        m, n, warps, stages = min(rows, 64), 32, 4, 2
+    elif rows >= 256:
+        m, n, warps, stages = rows, 64, 8, 2
+    else:
+        m, n, warps, stages = rows, 64, 4, 3
+    if elem_bytes > 2:
+        # fp32 (tests, references): half the rows and keys keep the tiles'
+        # shared memory at or below the bf16 tiles' (which fit); the bf16
+        # tiles in fp32 overflow it at 128-wide heads (256 KB > 227 KB).
+        m, n = max(m // 2, least, 16), max(n // 2, 16)
+    return m, n, warps, stages
 
 
 def prefill_attention(
@@ -413,7 +423,9 @@ def prefill_attention(
     if num_seqs == 0 or max_query_len == 0:
         return
     head_dim_k, head_dim_v = q.shape[2], v_cache.shape[3]
-    cfg_m, cfg_n, cfg_warps, cfg_stages = prefill_config(head_dim_k, max_query_len, group)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = prefill_config(
+        head_dim_k, max_query_len, group, q.element_size()
+    )
     block_m, block_n = block_m or cfg_m, block_n or cfg_n  # overrides: tests and tuning only
     num_warps, num_stages = num_warps or cfg_warps, num_stages or cfg_stages
     if block_m < group:

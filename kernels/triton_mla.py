@@ -370,7 +370,7 @@ def mla_decode(
         return out
     num_sms = _num_sms(q_latent.device)
     cfg_h, cfg_n, cfg_warps, cfg_stages, cfg_splits = mla_config(
-        num_seqs, num_heads, latent_dim, max_seq_len, num_sms
+        num_seqs, num_heads, latent_dim, max_seq_len, num_sms, latent_cache.element_size()
     )
     if block_h is not None and block_h != cfg_h:
         cfg_warps = _warps_for(block_h, latent_dim)

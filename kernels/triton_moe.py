@@ -526,7 +526,9 @@ def fused_moe(
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_moe: the last dim of x, w13 and w2 must be contiguous")
     num_tokens, top_k = topk_ids.shape
-    cfg = _resolve(moe_config(num_tokens, top_k, num_experts, hidden, inter), config)
+    cfg = _resolve(
+        moe_config(num_tokens, top_k, num_experts, hidden, inter, w13.element_size()), config
+    )
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out

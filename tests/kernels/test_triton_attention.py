@@ -430,3 +430,16 @@ def test_int32_offsets_only_when_the_strided_view_fits():
     assert k.numel() < 2**31 and not _offsets_fit_32(k, v)
     k, v = caches(2**30 // (16 * 8 * 256))
     assert _offsets_fit_32(k, v)
+
+
+def test_prefill_config_fp32_tiles_need_no_more_shared_memory_than_bf16():
+    """fp32 (tests, references on the GPU) halves rows and keys, so its K/V
+    ring and Q tile take at most the bf16 tiles' bytes (which fit an SM);
+    a tile still holds at least one token's query heads."""
+    for head_dim in (64, 80, 128, 256):
+        for q_len in (1, 40, 1000):
+            for group in (1, 4, 16):
+                m2, n2, _, s2 = ta.prefill_config(head_dim, q_len, group, 2)
+                m4, n4, _, s4 = ta.prefill_config(head_dim, q_len, group, 4)
+                assert m4 >= group and s4 == s2
+                assert (m4 + s4 * n4) * 4 <= (m2 + s2 * n2) * 2 or m4 == max(group, 16)

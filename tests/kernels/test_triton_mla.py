@@ -271,6 +271,17 @@ def test_gpu_deepseek_v3_dims(heads: int) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_fp32_at_deepseek_v3_widths() -> None:
+    """fp32 takes half-size tiles (mla_config): the bf16 tiles in fp32 need
+    more shared memory than an SM has at 128 heads x (512 + 64)."""
+    args = _deepseek_batch(4, 128, 512, torch.float32)
+    assert triton_mla.mla_config(4, 128, 512, 512, 132, 4)[:2] == (32, 32)
+    ref = mla_ref.mla_decode(*args, max_seq_len=512)
+    out = triton_mla.mla_decode(*args, max_seq_len=512)
+    assert rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("block_h", "block_n", "warps", "stages", "defer"),
     [(64, 32, 8, 2, True), (64, 16, 8, 2, True), (64, 32, 8, 2, False), (16, 32, 4, 2, False)],
