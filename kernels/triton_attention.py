@@ -1,6 +1,7 @@
 """Triton paged attention: one kernel for prefill/mixed batches, a split-KV
 ("flash-decoding") kernel plus its reduce for decode-only batches, and the op
-set that dispatches between them (`TritonAttentionOps`).
+set that dispatches between them (`TritonAttentionOps`). The tile choices
+live in kernels/attention_tiles.py.
 
 Owns the GPU implementation of the two attention ops whose numerical definition
 lives in kernels/attention.py (the torch reference); the signatures are the
@@ -31,18 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tiles import (  # noqa: F401  (re-exported: tests and benchmarks use them here)
+    DECODE_MAX_SPLITS,
+    decode_config,
+    decode_num_splits,
+    prefill_config,
+)
 from kernels.cache_write import write_kv_cache_triton
 from kernels.device_fn import device_fn
 
 LOG2E = 1.4426950408889634
-# Decode split heuristic, measured on an H200 (bench_kernels.py --sweep): a
-# batch giving >= 2 (seq, kv_head) programs per SM streams K/V at ~4.1-4.3 TB/s
-# unsplit; below that, splitting up to ~4 programs per SM wins (batch 8 x 32k:
-# 1.1 TB/s unsplit, 3.7 with 4 splits, 4.25 with 8).
-_DECODE_NO_SPLIT_PROGRAMS_PER_SM = 2
-_DECODE_TARGET_PROGRAMS_PER_SM = 4
-_DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in reduce than it saves
-_DECODE_MAX_SPLITS = 64
 
 
 def _interpreting() -> bool:
@@ -382,34 +381,6 @@ def _common_args(
     )  # fmt: skip
 
 
-def prefill_config(
-    head_dim_k: int, max_query_len: int, group: int, elem_bytes: int = 2
-) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill/mixed kernel.
-
-    Measured on an H200 (benchmarks/bench_kernels.py --sweep, 8k causal, d128):
-    256 rows x 64 keys with 8 warps (two warpgroups of 128 rows each, whose
-    softmax and MMAs interleave) beat 128-row tiles by ~10%. BLOCK_M shrinks
-    with max_query_len * group so mostly-decode mixed batches don't pay for
-    256-row tiles; 256-wide heads (Dk 192 padded) get small tiles to fit.
-    """
-    rows = max(16, min(256, triton.next_power_of_2(max_query_len * group)))
-    least = triton.next_power_of_2(group)  # a tile holds >= 1 token's heads
-    rows = max(rows, least)
-    if triton.next_power_of_2(head_dim_k) > 128:
-        m, n, warps, stages = min(rows, 64), 32, 4, 2
-    elif rows >= 256:
-        m, n, warps, stages = rows, 64, 8, 2
-    else:
-        m, n, warps, stages = rows, 64, 4, 3
-    if elem_bytes > 2:
-        # fp32 (tests, references): half the rows and keys keep the tiles'
-        # shared memory at or below the bf16 tiles' (which fit); the bf16
-        # tiles in fp32 overflow it at 128-wide heads (256 KB > 227 KB).
-        m, n = max(m // 2, least, 16), max(n // 2, 16)
-    return m, n, warps, stages
-
-
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -444,41 +415,6 @@ def prefill_attention(
         UPCAST=_interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-
-
-def decode_config(
-    num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim_k: int
-) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the split-KV decode kernel, from
-    host ints only (a captured graph keeps its config for any context length).
-    Chosen by benchmarks/sweep_decode.py on the H200 (d128, K/V TB/s at
-    batch 256 x 128 / 512 / 1024 tokens; docs/benchmarks.md): a program
-    holds only a [max(16, group), BLOCK_N] score tile, so small programs with
-    2 stages keep more of them resident per SM, which is what short contexts
-    (a few tiles a program: latency-bound) need. 2 query heads per KV head
-    (Qwen3-0.6B): 32/1 warp/2 stages 3.41/4.17/4.31 vs 64/4/3 2.55/3.70/3.98.
-    4 (Llama-3-8B, batch 64 x 512 / 4096): 64/2/2 3.64/4.33 vs 3.32/4.17."""
-    group = num_q_heads // num_kv_heads
-    if triton.next_power_of_2(head_dim_k) > 128:
-        return 32, 4, 2
-    if group <= 2:
-        return 32, 1, 2
-    if group <= 8:
-        return 64, 2, 2
-    return 64, 4, 2
-
-
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Split count S for a decode batch: enough (seq, kv_head, split) programs
-    to fill the GPU when the batch alone does not, never splits shorter than
-    _DECODE_MIN_SPLIT_TOKENS of max_seq_len. Depends only on host ints, so a
-    CUDA graph captured for a batch size stays valid for any seq_lens."""
-    programs = num_seqs * num_kv_heads
-    if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
-        return 1
-    target = _DECODE_TARGET_PROGRAMS_PER_SM * num_sms
-    most = max(1, max_seq_len // _DECODE_MIN_SPLIT_TOKENS)
-    return max(1, min(triton.cdiv(target, programs), most, _DECODE_MAX_SPLITS))
 
 
 def decode_attention(
@@ -526,7 +462,7 @@ def decode_attention(
             HEAD_DIM_V=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v),
             # Fixed, not next_power_of_2(num_splits): the split count varies with the
             # context length, and every distinct BLOCK_S would be a new compile.
-            BLOCK_S=triton.next_power_of_2(max(num_splits, _DECODE_MAX_SPLITS)), num_warps=4,
+            BLOCK_S=triton.next_power_of_2(max(num_splits, DECODE_MAX_SPLITS)), num_warps=4,
         )  # fmt: skip
 
 
