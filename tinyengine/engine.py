@@ -44,6 +44,9 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
+    # Per prompt token (entry 0, the first token's, is None); filled as the
+    # prompt's chunks are computed (worker/prompt_logprobs.py).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     final_only: bool = False  # RequestOutputKind.FINAL_ONLY: one output, when finished
 
 
@@ -201,6 +204,8 @@ class LLMEngine:
         state = _RequestState(request, text, detok, final_only=final_only)
         if params.logprobs is not None:
             state.logprobs = []
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.states[request_id] = state
         return request_id
 
@@ -277,6 +282,14 @@ class LLMEngine:
         if prof is not None:
             prof.waited(synced=sampled is not None)
         self.scheduler.update_from_output(plan, token_ids)
+        for request_id, (first, rows) in launch.prompt_logprobs.items():
+            state = self.states.get(request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue  # aborted or finished meanwhile
+            # Entry i is prompt token i's. A request recomputing its prompt
+            # after preemption sends rows it already has: keep the first ones.
+            have = len(state.prompt_logprobs)
+            state.prompt_logprobs += [self._logprobs(r) for r in rows[max(0, have - first) :]]
 
         outputs: list[RequestOutput] = []
         row = 0  # the sampler's rows are the scheduled requests that sampled, in order
@@ -348,6 +361,9 @@ class LLMEngine:
             outputs=[completion],
             finished=request.is_finished,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            prompt_logprobs=(
+                list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
+            ),
         )
 
     # --- introspection ---

@@ -154,12 +154,6 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            # The prompt's tokens would need logprobs too (vLLM's prompt_logprobs).
-            raise bad_request(
-                "echo with logprobs is not supported: tinyengine does not compute prompt "
-                "logprobs", "echo",
-            )  # fmt: skip
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of not in (None, 1, self.n):
@@ -197,7 +191,12 @@ class CompletionRequest(_SamplingRequest):
         return prompts
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            # The echoed prompt's tokens come with logprobs too (vLLM's way;
+            # what lm-eval-harness's loglikelihood requests read).
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class ChatMessage(BaseModel):

@@ -44,3 +44,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -55,6 +55,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Per prompt token (the first has none): its logprob and the top N of the
+    # distribution the model gave it (vLLM's prompt_logprobs). Such a request
+    # computes its whole prompt (no prefix-cache hit: a cached block has no logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -107,10 +111,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
 
     def fan_out(self) -> list[SamplingParams]:
         """The n one-sequence requests that serve n completions of a prompt

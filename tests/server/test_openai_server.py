@@ -255,6 +255,39 @@ def test_penalties_match_llm_generate(oai, llm, model_name):
     assert r.choices[0].text == ref
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, oai, llm, model_name):
+    """echo + logprobs (lm-eval-harness's loglikelihood request): the prompt's
+    tokens come first, the first with null logprobs, then the generated
+    ones; values are LLM.generate's prompt_logprobs / logprobs. A stream
+    sends the same entries, the prompt's with the echoed text."""
+    tok = llm.get_tokenizer()
+    params = greedy(3, logprobs=2, prompt_logprobs=2)
+    ref = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+    r = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, temperature=0,
+                               echo=True, logprobs=2)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPT + ref.outputs[0].text
+    assert len(lp.tokens) == len(ids) + 3
+    assert lp.tokens[0] == tok.decode([ids[0]]) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    want = [ref.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    want += [e[t].logprob for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs,
+                                          strict=True)]  # fmt: skip
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2,
+            "stream": True}  # fmt: skip
+    with client.stream("POST", "/v1/completions", json=body) as s:
+        events = [e for e in read_sse(s) if e != "[DONE]"]
+    assert events[0]["choices"][0]["text"] == PROMPT
+    streamed = [x for e in events for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp.token_logprobs
+    assert "".join(e["choices"][0]["text"] for e in events) == r.choices[0].text
+
+
 def test_chat_matches_llm_chat(client, oai, llm, model_name):
     ref = llm.chat(QUESTION, greedy(16), use_tqdm=False)[0]
     r = client.post(
@@ -428,7 +461,6 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", "greater"),
     ("completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than"),
     ("completions", {"prompt": "hi", "max_tokens": 600}, 400, None, "maximum context length"),
-    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "prompt logprobs"),
     ("completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "best_of == n"),
     ("completions", {"prompt": "hi", "top_k": -7}, 400, "top_k", "top_k"),
     ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "less than"),

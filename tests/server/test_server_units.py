@@ -100,7 +100,6 @@ def test_request_parsing():
         (b'{"prompt": "a", "stream_options": {"include_usage": true}}', "stream_options"),
         (b'{"prompt": "a", "presence_penalty": 2.5}', "presence_penalty"),
         (b'{"prompt": "a", "repetition_penalty": 0}', "repetition_penalty"),
-        (b'{"prompt": "a", "echo": true, "logprobs": 0}', "echo"),
         (b'{"prompt": "a", "n": 2, "best_of": 4}', "best_of"),
         (b'{"prompt": "a", "response_format": {"type": "json_object"}}', "response_format"),
         (b'{"prompt": "a", "top_p": 0}', "top_p"),

@@ -78,8 +78,7 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
         if model != settings.model_name:
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves "
-                f"{settings.model_name!r}",
+                f"the model {model!r} does not exist; this server serves {settings.model_name!r}",
                 param="model",
                 code="model_not_found",
             )

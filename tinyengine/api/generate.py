@@ -122,6 +122,14 @@ def _prompt_text(engine: AsyncLLMEngine, prompt: str | dict[str, Any]) -> str:
         raise bad_request(f"prompt: cannot decode the token ids: {e}", "prompt") from e
 
 
+def _first_token_text(engine: AsyncLLMEngine, output: RequestOutput) -> str:
+    """The text of a prompt's first token (echo with logprobs lists it, with a
+    null logprob)."""
+    tokenizer = engine.engine.tokenizer
+    first = output.prompt_token_ids[0]
+    return tokenizer.decode([first]) if tokenizer is not None else f"token_id:{first}"
+
+
 # --- request checks ---
 
 
@@ -196,7 +204,7 @@ async def _generate(
         raise
     if stream:
         return StreamingResponse(
-            _stream(rs, watcher, job, len(choices)),
+            _stream(rs, watcher, job, len(choices), engine),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -216,8 +224,11 @@ async def _generate(
     if job.chat:
         body = R.chat_response(job.request_id, job.model, ordered, job.num_logprobs, job.n)
     else:
+        first_texts = None
+        if job.echo is not None and job.num_logprobs is not None:
+            first_texts = [_first_token_text(engine, o) for o in ordered[:: job.n]]
         body = R.completion_response(
-            job.request_id, job.model, ordered, job.num_logprobs, job.n, job.echo
+            job.request_id, job.model, ordered, job.num_logprobs, job.n, job.echo, first_texts
         )
     return JSONResponse(body)
 
@@ -240,7 +251,11 @@ async def _abort_on_disconnect(request: Request, rs: RequestStream) -> None:
 
 
 async def _stream(
-    rs: RequestStream, watcher: asyncio.Task[None], job: _Job, num_choices: int
+    rs: RequestStream,
+    watcher: asyncio.Task[None],
+    job: _Job,
+    num_choices: int,
+    engine: AsyncLLMEngine,
 ) -> AsyncIterator[str]:
     created = R.now()
     chat = job.chat
@@ -259,10 +274,20 @@ async def _stream(
     try:
         if chat:  # OpenAI opens each choice with the assistant role
             yield emit([R.chunk_choice(True, i, "", role="assistant") for i in range(num_choices)])
-        elif job.echo is not None:  # the prompt first, as vLLM streams echo
-            yield emit([R.chunk_choice(False, i, job.echo[i // job.n]) for i in range(num_choices)])
+        echoed = [job.echo is None] * num_choices
         async for index, output in rs.outputs():
             c = output.outputs[0]
+            if not echoed[index]:  # the prompt first, as vLLM streams echo
+                echoed[index] = True
+                assert job.echo is not None
+                head = None
+                if job.num_logprobs is not None and output.prompt_logprobs is not None:
+                    head = R.prompt_logprobs(
+                        output.prompt_token_ids, output.prompt_logprobs, job.num_logprobs,
+                        _first_token_text(engine, output),
+                    )  # fmt: skip
+                    token_text_end[index] = head["text_offset"][-1] + len(head["tokens"][-1])
+                yield emit([R.chunk_choice(False, index, job.echo[index // job.n], head)])
             text = c.text
             end = len(text) if c.finished else len(text) - stop_string_holdback(text, stops)
             delta = text[sent_chars[index] : end] if end > sent_chars[index] else ""

@@ -96,6 +96,21 @@ def completion_logprobs(
     }
 
 
+def prompt_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob] | None],
+    num_top: int,
+    first_text: str,
+) -> dict[str, Any]:
+    """The echoed prompt's part of the completions format: the first token
+    has no logprob (null, as in vLLM and OpenAI), so its text comes from the
+    caller; every later one is the model's, given the tokens before it."""
+    head = {"tokens": [first_text], "token_logprobs": [None], "top_logprobs": [None],
+            "text_offset": [0]}  # fmt: skip
+    rest = completion_logprobs(token_ids[1:], list(entries[1:]), num_top, len(first_text))
+    return {key: head[key] + rest[key] for key in head}
+
+
 def chat_logprobs(
     token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], num_top: int
 ) -> dict[str, Any]:
@@ -126,15 +141,18 @@ def completion_response(
     num_logprobs: int | None,
     n: int = 1,
     echo: Sequence[str] | None = None,
+    echo_first_texts: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """`finals`: n choices per prompt, in order; `echo`: per prompt, the text
-    to put before each of its choices' text."""
+    to put before each of its choices' text; with logprobs, `echo_first_texts`
+    per prompt the text of its first token (whose logprob is null)."""
     choices = []
     for index, out in enumerate(finals):
         c = out.outputs[0]
         logprobs = None
         if num_logprobs is not None and c.logprobs is not None:
-            logprobs = completion_logprobs(c.token_ids, c.logprobs, num_logprobs, 0)
+            first = None if echo_first_texts is None else echo_first_texts[index // n]
+            logprobs = with_echo(out, num_logprobs, first)
         choices.append(
             {
                 "index": index,
@@ -152,6 +170,18 @@ def completion_response(
         "choices": choices,
         "usage": usage(finals, n),
     }
+
+
+def with_echo(out: RequestOutput, num_top: int, first_text: str | None) -> dict[str, Any]:
+    """A completion choice's logprobs: the echoed prompt's (when first_text is
+    given and the output has prompt logprobs), then the generated tokens'."""
+    c = out.outputs[0]
+    if first_text is None or out.prompt_logprobs is None:
+        return completion_logprobs(c.token_ids, c.logprobs or [], num_top, 0)
+    head = prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, num_top, first_text)
+    end = head["text_offset"][-1] + len(head["tokens"][-1])
+    tail = completion_logprobs(c.token_ids, c.logprobs or [], num_top, end)
+    return {key: head[key] + tail[key] for key in head}
 
 
 def chat_response(

@@ -156,7 +156,12 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_inflight:
                 break  # preempted while its token was in flight: wait until it lands
-            hits = self.block_manager.get_computed_blocks(request)
+            # prompt_logprobs needs the logits of every prompt position, which
+            # a cached block does not have: such a request computes it all.
+            if request.sampling_params.prompt_logprobs is None:
+                hits = self.block_manager.get_computed_blocks(request)
+            else:
+                hits = []
             num_cached = len(hits) * self.block_manager.block_size
             n = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(request, n, hits):

@@ -38,6 +38,7 @@ from tinyengine.worker.cuda_graphs import (
 from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from tinyengine.worker.penalties import TokenHistory
+from tinyengine.worker.prompt_logprobs import PromptLogprobRows, prompt_logprobs
 from tinyengine.worker.sample_output import PendingSample, SamplerOutput
 from tinyengine.worker.sampler import Sampler
 
@@ -286,11 +287,14 @@ class ModelRunner:
         copy of its results to the host, without waiting for any of it."""
         prof = self.profiler
         hidden, sample_rows = self._forward(plan, prof)
+        prompt_rows = None
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in plan.scheduled):
+            prompt_rows = prompt_logprobs(self.model, hidden, plan)  # syncs (module docstring)
         sampling = [i for i, row in enumerate(sample_rows) if row >= 0]
         if not sampling:
             if prof is not None:
                 prof.forward_end()
-            return StepLaunch(len(sample_rows), sampling, None)
+            return StepLaunch(len(sample_rows), sampling, None, prompt_rows)
         b = self.buffers
         write(b.logits_indices, [sample_rows[i] for i in sampling])
         logits = self.model.compute_logits(hidden[b.logits_indices[: len(sampling)]])
@@ -307,7 +311,7 @@ class ModelRunner:
         )
         # The next step may read these ids on the device (asynchronous scheduling).
         self._last_sampled = (pending.token_ids, {r.request_id: i for i, r in enumerate(requests)})
-        return StepLaunch(len(sample_rows), sampling, pending)
+        return StepLaunch(len(sample_rows), sampling, pending, prompt_rows)
 
     def _forward(self, plan: SchedulerOutput, prof: Any = None) -> tuple[torch.Tensor, list[int]]:
         """Replay a decode graph when one fits the batch, else run eagerly.
@@ -427,10 +431,19 @@ def _enable_triton_interpreter() -> None:
 class StepLaunch:
     """A launched step: `result()` waits for its sampled tokens (one per
     scheduled request, None where the chunk does not reach its end) and the
-    sampler output (for logprobs), in the order of `plan.scheduled`."""
+    sampler output (for logprobs), in the order of `plan.scheduled`;
+    `prompt_logprobs` holds the rows of the prompt positions it computed for
+    requests that asked (worker/prompt_logprobs.py), already on the host."""
 
-    def __init__(self, num_rows: int, sampling: list[int], pending: PendingSample | None) -> None:
+    def __init__(
+        self,
+        num_rows: int,
+        sampling: list[int],
+        pending: PendingSample | None,
+        prompt_logprobs: PromptLogprobRows | None = None,
+    ) -> None:
         self.num_rows, self.sampling, self.pending = num_rows, sampling, pending
+        self.prompt_logprobs = prompt_logprobs or {}
 
     def result(self) -> tuple[list[int | None], SamplerOutput | None]:
         tokens: list[int | None] = [None] * self.num_rows

@@ -1,0 +1,80 @@
+"""SamplingParams.prompt_logprobs against HF: every prompt token after the
+first gets the log-probability HF's forward gives it (fp32, within 1e-4),
+its rank, and the top N — whatever the chunking, with a prefix already in
+the cache (such a request computes its whole prompt anyway), and when
+preemption makes the prompt be computed twice (no entry is duplicated)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hf_models import load_hf_model, make_tiny_hf_model
+from tinyengine import LLM, SamplingParams
+
+PROMPTS = [list(range(3, 60)), [7], [5, 9, 9, 17, 3, 250, 251, 4, 4, 4]]
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def model_and_reference(tmp_path_factory):
+    path = make_tiny_hf_model("qwen3", tmp_path_factory.mktemp("qwen3-prompt-lp"))
+    model = load_hf_model(path)
+    with torch.no_grad():
+        refs = [model(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in PROMPTS]
+    return str(path), refs
+
+
+def _check(out, prompt: list[int], ref: torch.Tensor) -> None:
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i in range(1, len(prompt)):
+        dist = ref[i - 1]
+        token = prompt[i]
+        got = entries[i]
+        assert got[token].logprob == pytest.approx(dist[token].item(), abs=1e-4)
+        assert got[token].rank == int((dist > dist[token]).sum()) + 1
+        top_lp, top = dist.topk(TOP)
+        for rank, (t, lp) in enumerate(zip(top.tolist(), top_lp.tolist(), strict=True), 1):
+            assert got[t].rank == rank and got[t].logprob == pytest.approx(lp, abs=1e-4)
+        assert len(got) == TOP + (token not in top)  # the prompt token, if not in the top N
+
+
+CONFIGS = {
+    "default": {},
+    "chunked": {"max_num_batched_tokens": 16},
+    "preempt_sync": {"num_kv_blocks": 10, "block_size": 8, "async_scheduling": False},
+    "preempt": {"num_kv_blocks": 10, "block_size": 8},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_prompt_logprobs_match_hf(model_and_reference, config):
+    path, refs = model_and_reference
+    llm = LLM(path, max_model_len=128, print_startup_report=False, **CONFIGS[config])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, prompt, ref in zip(outs, PROMPTS, refs, strict=True):
+        _check(out, prompt, ref)
+    if config.startswith("preempt"):
+        assert llm.stats()["num_preemptions"] > 0
+
+
+def test_prompt_logprobs_with_the_prefix_in_the_cache(model_and_reference):
+    """The same prompt again: a plain request reuses the cached blocks, one
+    asking for prompt logprobs computes the prompt (and still gets them all)."""
+    path, refs = model_and_reference
+    llm = LLM(path, max_model_len=128, print_startup_report=False)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+    again = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.prompt_logprobs is None
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=TOP), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    _check(out, PROMPTS[0], refs[0])
+
+
+def test_prompt_logprobs_is_validated():
+    for bad in (-1, 21, 1.5):
+        with pytest.raises(ValueError, match=r"SamplingParams\.prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)

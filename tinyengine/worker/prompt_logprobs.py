@@ -1,0 +1,70 @@
+"""Prompt logprobs (vLLM's `SamplingParams.prompt_logprobs`): for every prompt
+token after the first, its log-probability under the model given the tokens
+before it, its rank, and the top N of that distribution.
+
+Owns turning a step's hidden states into those rows for the requests that ask.
+Prompt position p's hidden state predicts token p + 1, so a chunk that computes
+positions [start, end) yields the entries of prompt tokens start + 1 ..
+min(end, P - 1) (P = prompt length; the last prompt position predicts the first
+output token, which the sampler handles). The rows use the sampler's format:
+[(token, logprob, rank), then the top N as (id, logprob, rank)], so the engine
+turns them into Logprob dicts the same way.
+
+Cost and sync: the logits of the prompt rows are computed in slices of
+`_ROWS_PER_SLICE` (a whole 8k-token chunk at a 152k vocabulary would be 5 GB of
+fp32), and the results are copied to the host at once — a synchronizing copy,
+so a step that carries prompt logprobs does not overlap with the next one.
+Only such requests pay; the scheduler also gives them no prefix-cache hit (a
+cached block has no logits).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tinyengine.scheduling.scheduler import SchedulerOutput
+
+_ROWS_PER_SLICE = 256
+
+# request id -> (index of the first prompt token these rows cover, rows)
+PromptLogprobRows = dict[str, tuple[int, list[list[tuple[int, float, int]]]]]
+
+
+def prompt_logprobs(model: Any, hidden: torch.Tensor, plan: SchedulerOutput) -> PromptLogprobRows:
+    """The rows of this step's prompt positions, for each scheduled request
+    with prompt_logprobs; `hidden` holds the step's rows in plan order."""
+    out: PromptLogprobRows = {}
+    offset = 0  # the first hidden row of each scheduled request
+    for sched in plan.scheduled:
+        request, n = sched.request, sched.num_new_tokens
+        num_top = request.sampling_params.prompt_logprobs
+        stop = min(sched.start + n, len(request.prompt_token_ids) - 1)
+        if num_top is not None and stop > sched.start:
+            rows = hidden[offset : offset + stop - sched.start]
+            targets = request.prompt_token_ids[sched.start + 1 : stop + 1]
+            out[request.request_id] = (sched.start + 1, _rows(model, rows, targets, num_top))
+        offset += n
+    return out
+
+
+def _rows(model: Any, hidden: torch.Tensor, targets: list[int], num_top: int) -> list:
+    result = []
+    for lo in range(0, len(targets), _ROWS_PER_SLICE):
+        h = hidden[lo : lo + _ROWS_PER_SLICE]
+        logprobs = model.compute_logits(h).float().log_softmax(dim=-1)
+        target = torch.tensor(targets[lo : lo + len(h)], device=logprobs.device)[:, None]
+        chosen = logprobs.gather(1, target)
+        # rank = 1 + #strictly greater, as the sampler ranks sampled tokens
+        rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+        k = min(num_top, logprobs.shape[-1])
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(dim=-1) + 1
+        parts = (target[:, 0], chosen[:, 0], rank[:, 0], top_ids, top_lp, top_rank)
+        host = [x.tolist() for x in parts]
+        for i in range(len(h)):
+            row = [(host[0][i], host[1][i], host[2][i])]
+            row += list(zip(host[3][i], host[4][i], host[5][i], strict=True))
+            result.append(row)
+    return result
