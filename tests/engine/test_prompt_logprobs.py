@@ -78,3 +78,17 @@ def test_prompt_logprobs_is_validated():
     for bad in (-1, 21, 1.5):
         with pytest.raises(ValueError, match=r"SamplingParams\.prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_on_cuda(model_and_reference):
+    """On the GPU (Triton attention, CUDA graphs, async copies): the same
+    entries, and nothing compiled after READY."""
+    path, refs = model_and_reference
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=32, print_startup_report=False)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, prompt, ref in zip(outs, PROMPTS, refs, strict=True):
+        _check(out, prompt, ref.cuda())
+    assert llm.stats()["jit_compiles_after_ready"] == 0
