@@ -38,8 +38,8 @@ from tinyengine.worker.cuda_graphs import (
 from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from tinyengine.worker.penalties import TokenHistory
-from tinyengine.worker.prompt_logprobs import PromptLogprobRows, prompt_logprobs
-from tinyengine.worker.sample_output import PendingSample, SamplerOutput
+from tinyengine.worker.prompt_logprobs import prompt_logprobs
+from tinyengine.worker.sample_output import SamplerOutput, StepLaunch
 from tinyengine.worker.sampler import Sampler
 
 # One step's rows: input ids, positions, slots and seq_lens (lists or int
@@ -426,33 +426,6 @@ def _enable_triton_interpreter() -> None:
             "TRITON_INTERPRET=1 before anything imports triton (or use attention_backend='torch')"
         )
     os.environ["TRITON_INTERPRET"] = "1"
-
-
-class StepLaunch:
-    """A launched step: `result()` waits for its sampled tokens (one per
-    scheduled request, None where the chunk does not reach its end) and the
-    sampler output (for logprobs), in the order of `plan.scheduled`;
-    `prompt_logprobs` holds the rows of the prompt positions it computed for
-    requests that asked (worker/prompt_logprobs.py), already on the host."""
-
-    def __init__(
-        self,
-        num_rows: int,
-        sampling: list[int],
-        pending: PendingSample | None,
-        prompt_logprobs: PromptLogprobRows | None = None,
-    ) -> None:
-        self.num_rows, self.sampling, self.pending = num_rows, sampling, pending
-        self.prompt_logprobs = prompt_logprobs or {}
-
-    def result(self) -> tuple[list[int | None], SamplerOutput | None]:
-        tokens: list[int | None] = [None] * self.num_rows
-        if self.pending is None:
-            return tokens, None
-        sampled = self.pending.result()
-        for i, token_id in zip(self.sampling, sampled.token_ids, strict=True):
-            tokens[i] = token_id
-        return tokens, sampled
 
 
 def _banned_tokens(request) -> list[int]:

@@ -1,6 +1,7 @@
 """The sampler's results on their way to the host: `PendingSample` (a
-launched sample: token ids on the device now, the host copy later) and
-`SamplerOutput` (what the engine reads: token ids and logprobs per row).
+launched sample: token ids on the device now, the host copy later),
+`SamplerOutput` (what the engine reads: token ids and logprobs per row), and
+`StepLaunch` (what `ModelRunner.launch` returns for one step).
 
 Owns the packing contract with `Sampler._collect`: everything a step's
 sampling produced travels in ONE device->host copy into pinned memory,
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tinyengine.worker.prompt_logprobs import PromptLogprobRows
 
 TokenLogprob = tuple[int, float, int]  # (token_id, logprob, rank); rank 1 = most likely
 
@@ -82,3 +85,30 @@ class PendingSample:
                 entries.append((int(top[at]), top[num_lp * n + at], int(top[2 * num_lp * n + at])))
             out[i] = entries
         return SamplerOutput(token_ids=token_ids, logprobs=out)
+
+
+class StepLaunch:
+    """A launched step: `result()` waits for its sampled tokens (one per
+    scheduled request, None where the chunk does not reach its end) and the
+    sampler output (for logprobs), in the order of `plan.scheduled`;
+    `prompt_logprobs` holds the rows of the prompt positions it computed for
+    requests that asked (worker/prompt_logprobs.py), already on the host."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        sampling: list[int],
+        pending: PendingSample | None,
+        prompt_logprobs: PromptLogprobRows | None = None,
+    ) -> None:
+        self.num_rows, self.sampling, self.pending = num_rows, sampling, pending
+        self.prompt_logprobs = prompt_logprobs or {}
+
+    def result(self) -> tuple[list[int | None], SamplerOutput | None]:
+        tokens: list[int | None] = [None] * self.num_rows
+        if self.pending is None:
+            return tokens, None
+        sampled = self.pending.result()
+        for i, token_id in zip(self.sampling, sampled.token_ids, strict=True):
+            tokens[i] = token_id
+        return tokens, sampled
