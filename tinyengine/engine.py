@@ -183,6 +183,12 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary "
                 f"[0, {self.runner.vocab_size})"
             )
+        outside = [t for t in params.logit_bias or {} if t >= self.runner.vocab_size]
+        if outside:
+            raise ValueError(
+                f"logit_bias token ids {outside[:5]} are outside the vocabulary "
+                f"[0, {self.runner.vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none")
         room = self.max_model_len - len(token_ids)

@@ -7,7 +7,7 @@ offending field, turning a request into SamplingParams, and the error body
 `{"error": {"message", "type", "param", "code"}}`.
 
 Must never: touch the engine, or accept a field it cannot honour silently (a
-request with logit_bias or a suffix is refused, not ignored). Unknown fields
+request with a suffix or a JSON response_format is refused, not ignored). Unknown fields
 are ignored, as OpenAI clients send fields (`user`, ...) a server may not use.
 """
 
@@ -103,8 +103,6 @@ class _SamplingRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise bad_request(
                 f"response_format {self.response_format.get('type')!r} is not supported: "
@@ -113,6 +111,17 @@ class _SamplingRequest(_Strict):
             )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias keys are token ids written as strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError as e:
+            raise bad_request(
+                f"logit_bias keys must be token ids (integers as strings): {e}", "logit_bias"
+            ) from e
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
@@ -127,6 +136,7 @@ class _SamplingRequest(_Strict):
                 repetition_penalty=(
                     1.0 if self.repetition_penalty is None else self.repetition_penalty
                 ),
+                logit_bias=self._logit_bias(),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,

@@ -48,6 +48,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # token id -> value added to its logit (OpenAI's logit_bias; -100 bans it).
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -63,9 +65,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict = field(default_factory=dict, repr=False)
-    # Set by __post_init__ (the sampler asks for every row every step, so a
-    # plain attribute, not a property).
+    # Set by __post_init__ (the sampler asks for every row every step, so
+    # plain attributes, not properties): a penalty is on; the logits change
+    # before the draw at all (a penalty or a logit bias).
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
+    adjusts_logits: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +80,7 @@ class SamplingParams:
         self.has_penalties = bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
+        self.adjusts_logits = self.has_penalties or bool(self.logit_bias)
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -97,6 +102,12 @@ class SamplingParams:
                 raise bad(name, "must be a number in [-2, 2]")
         if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 1e4:
             raise bad("repetition_penalty", "must be a number > 0 (1 = off)")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(t) and t >= 0 for t in self.logit_bias)
+            and all(_is_number(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values())
+        ):
+            raise bad("logit_bias", "must map token ids (ints >= 0) to numbers in [-100, 100]")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

@@ -254,6 +254,14 @@ def test_penalties_match_llm_generate(oai, llm, model_name):
     )  # fmt: skip
     assert r.choices[0].text == ref
 
+    # OpenAI's logit_bias: keys are token ids as strings.
+    forced = llm.get_tokenizer().encode(" Paris")[0]
+    r = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, temperature=0,
+                               logit_bias={str(forced): 100})  # fmt: skip
+    want = llm.generate([PROMPT], greedy(3, logit_bias={forced: 100.0}), use_tqdm=False)[0]
+    assert want.outputs[0].token_ids == [forced] * 3
+    assert r.choices[0].text == want.outputs[0].text
+
 
 def test_echo_with_logprobs_scores_the_prompt(client, oai, llm, model_name):
     """echo + logprobs (lm-eval-harness's loglikelihood request): the prompt's
@@ -465,6 +473,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "top_k": -7}, 400, "top_k", "top_k"),
     ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "less than"),
     ("completions", {"prompt": [10**9]}, 400, None, "vocabulary"),
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+    ("completions", {"prompt": "hi", "logit_bias": {"3": 200}}, 400, "logit_bias", "[-100"),
+    ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None, "vocabulary"),
     ("chat/completions", {"messages": []}, 400, "messages", "non-empty"),
     ("chat/completions", {"messages": "hello"}, 400, "messages", "array"),
     ("chat/completions", {"messages": QUESTION, "n": 500}, 400, "n", "less than"),

@@ -67,6 +67,23 @@ def test_penalize_matches_the_definition_and_leaves_other_rows():
         penalize(logits, params, [None] * 4, _to_device)
 
 
+def test_logit_bias_adds_after_the_penalties_and_needs_no_history():
+    logits = torch.randn(3, VOCAB)
+    params = [
+        SamplingParams(logit_bias={3: 5.0, 7: -100.0}),  # bias only: no history
+        SamplingParams(),
+        SamplingParams(repetition_penalty=2.0, logit_bias={1: 1.5}),
+    ]
+    history = TokenHistory([1, 2], VOCAB, _to_device)
+    got = penalize(logits, params, [None, None, history], _to_device)
+    want = logits.clone()
+    want[0, 3] += 5.0
+    want[0, 7] -= 100.0
+    want[2] = _reference(logits[2], [1, 2], [], params[2])
+    want[2, 1] += 1.5
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
 def test_sampler_counts_its_draws_and_keeps_raw_logprobs(fused):
     """Greedy with a huge presence penalty can never repeat a token; the
@@ -87,6 +104,28 @@ def test_sampler_counts_its_draws_and_keeps_raw_logprobs(fused):
     assert history.counts[:5].tolist() == [1, 1, 1, 1, 0]
 
 
+def test_logit_bias_steers_greedy_decoding(llama_path):
+    """+100 on a token makes greedy pick it every step; the logprobs stay the
+    raw distribution's; ids outside the vocabulary are refused by name."""
+    llm = LLM(llama_path, max_model_len=64, print_startup_report=False)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+
+    def run(**kw):
+        params = SamplingParams(temperature=0, ignore_eos=True, logprobs=0, **kw)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+    plain = run(max_tokens=4)
+    forced = run(max_tokens=4, logit_bias={77: 100.0})
+    assert forced.token_ids == [77] * 4 and plain.token_ids[0] != 77
+    first = plain.token_ids[0]
+    banned = run(max_tokens=1, logit_bias={first: -100.0})
+    assert banned.token_ids[0] != first
+    # Step 0's logprob of token 77 is the unbiased model's (rank far from 1).
+    assert forced.logprobs[0][77].rank > 1
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[99999\]"):
+        llm.generate(prompt, SamplingParams(logit_bias={99999: 1.0}), use_tqdm=False)
+
+
 @pytest.mark.parametrize("value", [-2.5, 2.01, float("nan"), "1"])
 def test_bad_penalties_are_refused_by_name(value):
     for name in ("presence_penalty", "frequency_penalty"):
@@ -95,6 +134,9 @@ def test_bad_penalties_are_refused_by_name(value):
     for bad in (0.0, -1.0, float("inf"), "2"):
         with pytest.raises(ValueError, match=r"SamplingParams\.repetition_penalty"):
             SamplingParams(repetition_penalty=bad)
+    for bad in ({-1: 1.0}, {"3": 1.0}, {3: 101.0}, {3: float("nan")}, [3]):
+        with pytest.raises(ValueError, match=r"SamplingParams\.logit_bias"):
+            SamplingParams(logit_bias=bad)
 
 
 @pytest.fixture(scope="module")

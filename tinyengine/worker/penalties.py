@@ -1,5 +1,6 @@
-"""Repetition, frequency and presence penalties: a request's token history on
-the device, and the logit adjustment the sampler applies before it draws.
+"""Repetition, frequency and presence penalties and logit biases: a request's
+token history on the device, and the logit adjustment the sampler applies
+before it draws.
 
 The three penalties, as vLLM defines them (and OpenAI, for the last two), on
 the raw logits of a row, before temperature and filters:
@@ -7,7 +8,8 @@ the raw logits of a row, before temperature and filters:
     token already in the prompt or the output has its logit divided by r when
     positive, multiplied by r when not, so r > 1 makes repeats less likely;
   * frequency_penalty f: logit -= f * (times the token is in the output);
-  * presence_penalty p: logit -= p * (1 if the token is in the output).
+  * presence_penalty p: logit -= p * (1 if the token is in the output);
+  * logit_bias {token: b} (OpenAI's): logit += b, after the penalties.
 
 Why the history lives on the device. With asynchronous scheduling the engine
 launches step N+1 before step N's token reaches the host, so a history built
@@ -55,10 +57,10 @@ def penalize(
     histories: list[TokenHistory | None],
     to_device: ToDevice,
 ) -> torch.Tensor:
-    """The logits with every penalized row adjusted, on a copy in the logits'
-    dtype (the arithmetic is fp32); the logits themselves when no row has a
-    penalty. Rows with penalties must have a history."""
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    """The logits with every penalized or biased row adjusted, on a copy in
+    the logits' dtype (the arithmetic is fp32); the logits themselves when no
+    row adjusts them. Rows with penalties must have a history."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
     index = to_device(rows, torch.long)
@@ -70,12 +72,23 @@ def penalize(
         torch.float32,
     )
     rep, freq, pres = table[:, 0:1], table[:, 1:2], table[:, 2:3]
-    counts = torch.stack([_history(histories, i).counts for i in rows])
-    in_prompt = torch.stack([_history(histories, i).in_prompt for i in rows])
-    in_output = counts > 0
     x = logits.index_select(0, index).float()
-    x = torch.where(in_prompt | in_output, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - freq * counts - pres * in_output
+    if any(params[i].has_penalties for i in rows):
+        # A row with only a logit bias has no history: zeros change nothing
+        # there (rep = 1, freq = pres = 0).
+        zeros = torch.zeros(logits.shape[-1], dtype=torch.int32, device=x.device)
+        counts = torch.stack([_history(histories, i).counts if params[i].has_penalties
+                              else zeros for i in rows])  # fmt: skip
+        in_prompt = torch.stack([_history(histories, i).in_prompt if params[i].has_penalties
+                                 else zeros.bool() for i in rows])  # fmt: skip
+        in_output = counts > 0
+        x = torch.where(in_prompt | in_output, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - freq * counts - pres * in_output
+    bias = [(j, t, v) for j, i in enumerate(rows) for t, v in (params[i].logit_bias or {}).items()]
+    if bias:
+        where = to_device([[j for j, _, _ in bias], [t for _, t, _ in bias]], torch.long)
+        values = to_device([v for _, _, v in bias], torch.float32)
+        x = x.index_put((where[0], where[1]), values, accumulate=True)
     return logits.index_put((index,), x.to(logits.dtype))
 
 

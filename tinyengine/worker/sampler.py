@@ -132,7 +132,7 @@ class Sampler:
             )
         # Penalized rows draw from adjusted logits (a copy); logprobs stay raw.
         raw = logits
-        if any(p.has_penalties for p in params):
+        if any(p.adjusts_logits for p in params):
             logits = penalize(logits, params, histories or [None] * num_rows, self._to_device)
         if self.fused:
             pending = self._sample_fused(raw, logits, params, generators, banned_token_ids)
