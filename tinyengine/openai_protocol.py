@@ -60,17 +60,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 # --- request models ---
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # strict: "5" is not an integer and 1 is not a boolean, as OpenAI's own API
     # would say; extra="ignore": clients send fields we do not use.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(Strict):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -274,7 +274,18 @@ RequestT = TypeVar("RequestT", bound=_SamplingRequest)
 
 
 def parse_request(body: bytes, cls: type[RequestT]) -> RequestT:
-    """Body bytes -> a validated request, or an APIError naming what is wrong."""
+    """Body bytes -> a validated generation request whose fields the engine can
+    all honour, or an APIError naming what is wrong."""
+    request = parse_body(body, cls)
+    request.check_supported()
+    return request
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_body(body: bytes, cls: type[ModelT]) -> ModelT:
+    """Body bytes -> a validated `cls`, or an APIError naming what is wrong."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -282,7 +293,7 @@ def parse_request(body: bytes, cls: type[RequestT]) -> RequestT:
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
-        request = cls.model_validate_json(body)
+        return cls.model_validate_json(body)
     except ValidationError as e:
         err = e.errors()[0]
         # Drop the union-member tags pydantic puts in a location ("stop.str").
@@ -291,8 +302,6 @@ def parse_request(body: bytes, cls: type[RequestT]) -> RequestT:
         where = ".".join(loc)
         message = "field required" if err["type"] == "missing" else err["msg"]
         raise bad_request(f"{where}: {message}", param) from e
-    request.check_supported()
-    return request
 
 
 def _is_int(x: object) -> bool:

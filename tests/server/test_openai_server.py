@@ -548,6 +548,33 @@ def test_api_key(server):
 # --- health, models, metrics ---
 
 
+def test_tokenize_and_detokenize_match_the_engine(client, llm, model_name):
+    """/tokenize gives the ids the engine computes for the same prompt or
+    conversation (its usage.prompt_tokens); /detokenize inverts it."""
+    tok = llm.get_tokenizer()
+    r = client.post("/tokenize", json={"model": model_name, "prompt": PROMPT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == ENGINE["max_model_len"]
+    chat = client.post("/tokenize", json={"messages": QUESTION}).json()
+    usage = client.post("/v1/chat/completions",
+                        json={"messages": QUESTION, "max_tokens": 1}).json()["usage"]  # fmt: skip
+    assert chat["count"] == usage["prompt_tokens"]
+    assert chat["tokens"] == tok.apply_chat_template(QUESTION, tokenize=True)
+    r = client.post("/detokenize", json={"tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPT}
+    for path, bad, param in [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        r = client.post(path, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, bad, r.text)
+    assert client.post("/tokenize", json={"prompt": "a", "model": "x"}).status_code == 404
+
+
 def test_models_retrieve_through_the_official_client(oai, model_name):
     card = oai.models.retrieve(model_name)
     assert card.id == model_name and card.object == "model"

@@ -3,8 +3,9 @@
 Owns `create_app(settings)`: the AsyncLLMEngine's lifetime (started when the
 server starts, so /health answers at once while the model loads), the API-key
 check, the OpenAI-style error bodies for every failure (including FastAPI's
-and Starlette's own 404/405), and GET /health, /v1/models(/{id}) and /metrics. The
-generation endpoints live in generate.py.
+and Starlette's own 404/405), and GET /health, /v1/models(/{id}) and /metrics.
+The generation endpoints live in generate.py, /tokenize and /detokenize in
+tokenize.py.
 
 Must never: call LLMEngine directly (only through AsyncLLMEngine), or let an
 error escape as an HTML or `{"detail": ...}` body.
@@ -24,8 +25,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tinyengine.api.checks import check_model
 from tinyengine.api.generate import router as generate_router
 from tinyengine.api.settings import ServerSettings
+from tinyengine.api.tokenize import router as tokenize_router
 from tinyengine.async_engine import AsyncLLMEngine
 from tinyengine.openai_protocol import APIError
 
@@ -74,14 +77,8 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
         return {"object": "list", "data": [model_card()]}
 
     @protected.get("/v1/models/{model:path}")  # OpenAI's models.retrieve; ids may hold "/"
-    async def retrieve_model(model: str) -> dict[str, Any]:
-        if model != settings.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    async def retrieve_model(request: Request, model: str) -> dict[str, Any]:
+        check_model(request, model)
         return model_card()
 
     @protected.get("/metrics")
@@ -92,6 +89,7 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
 
     app.include_router(protected)
     app.include_router(generate_router, dependencies=[Depends(require_api_key)])
+    app.include_router(tokenize_router, dependencies=[Depends(require_api_key)])
     return app
 
 

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tinyengine.api import responses as R
+from tinyengine.api.checks import check_model, read_body, ready_engine
 from tinyengine.async_engine import (
     AsyncLLMEngine,
     EngineNotReadyError,
@@ -66,9 +67,9 @@ class _Job:
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(request: Request) -> JSONResponse | StreamingResponse:
-    engine = _ready_engine(request)
-    req = parse_request(await _read_body(request), CompletionRequest)
-    model = _check_model(request, req.model)
+    engine = ready_engine(request)
+    req = parse_request(await read_body(request), CompletionRequest)
+    model = check_model(request, req.model)
     params = req.sampling_params()
     prompts = req.prompts()
     job = _Job(R.new_id("cmpl"), model, False, params, req.logprobs, req.include_usage_in_stream)
@@ -79,9 +80,9 @@ async def create_completion(request: Request) -> JSONResponse | StreamingRespons
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(request: Request) -> JSONResponse | StreamingResponse:
-    engine = _ready_engine(request)
-    req = parse_request(await _read_body(request), ChatCompletionRequest)
-    model = _check_model(request, req.model)
+    engine = ready_engine(request)
+    req = parse_request(await read_body(request), ChatCompletionRequest)
+    model = check_model(request, req.model)
     params = req.sampling_params()
     tokenizer = engine.engine.tokenizer
     if tokenizer is None:
@@ -128,48 +129,6 @@ def _first_token_text(engine: AsyncLLMEngine, output: RequestOutput) -> str:
     tokenizer = engine.engine.tokenizer
     first = output.prompt_token_ids[0]
     return tokenizer.decode([first]) if tokenizer is not None else f"token_id:{first}"
-
-
-# --- request checks ---
-
-
-def _ready_engine(request: Request) -> AsyncLLMEngine:
-    engine: AsyncLLMEngine = request.app.state.engine
-    if not engine.ready:
-        raise APIError(503, engine.not_ready_message(), "service_unavailable")
-    return engine
-
-
-def _check_model(request: Request, model: str | None) -> str:
-    served = request.app.state.settings.model_name
-    if model is not None and model != served:
-        raise APIError(
-            404,
-            f"the model {model!r} does not exist; this server serves {served!r}",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-        )
-    return served
-
-
-async def _read_body(request: Request) -> bytes:
-    limit: int = request.app.state.settings.max_request_bytes
-    too_large = APIError(
-        413,
-        f"the request body is larger than {limit} bytes (the server's "
-        "TINYENGINE_MAX_REQUEST_BYTES)",
-        "invalid_request_error",
-    )
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
-    body = bytearray()
-    async for part in request.stream():  # counts chunked bodies, which have no length
-        body += part
-        if len(body) > limit:
-            raise too_large
-    return bytes(body)
 
 
 # --- running it ---
