@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tinyengine.scheduling.scheduler import SchedulerOutput
+from tinyengine.worker.sample_output import ranked_logprobs
 
 _ROWS_PER_SLICE = 256
 
@@ -53,18 +54,12 @@ def _rows(model: Any, hidden: torch.Tensor, targets: list[int], num_top: int) ->
     result = []
     for lo in range(0, len(targets), _ROWS_PER_SLICE):
         h = hidden[lo : lo + _ROWS_PER_SLICE]
-        logprobs = model.compute_logits(h).float().log_softmax(dim=-1)
-        target = torch.tensor(targets[lo : lo + len(h)], device=logprobs.device)[:, None]
-        chosen = logprobs.gather(1, target)
-        # rank = 1 + #strictly greater, as the sampler ranks sampled tokens
-        rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
-        k = min(num_top, logprobs.shape[-1])
-        top_lp, top_ids = logprobs.topk(k, dim=-1)
-        top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(dim=-1) + 1
-        parts = (target[:, 0], chosen[:, 0], rank[:, 0], top_ids, top_lp, top_rank)
-        host = [x.tolist() for x in parts]
+        logits = model.compute_logits(h)
+        target = torch.tensor(targets[lo : lo + len(h)], device=logits.device)
+        chosen_lp, rank, *top = ranked_logprobs(logits, target, min(num_top, logits.shape[-1]))
+        host = [x.tolist() for x in (target, chosen_lp[:, 0], rank[:, 0], *top)]
         for i in range(len(h)):
             row = [(host[0][i], host[1][i], host[2][i])]
-            row += list(zip(host[3][i], host[4][i], host[5][i], strict=True))
+            row += zip(*(t[i] for t in host[3:]), strict=True)  # top (id, logprob, rank)
             result.append(row)
     return result

@@ -15,10 +15,12 @@ which L ask for logprobs with at most N top entries each:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from tinyengine.worker.prompt_logprobs import PromptLogprobRows
+if TYPE_CHECKING:  # prompt_logprobs imports ranked_logprobs from here
+    from tinyengine.worker.prompt_logprobs import PromptLogprobRows
 
 TokenLogprob = tuple[int, float, int]  # (token_id, logprob, rank); rank 1 = most likely
 
@@ -30,6 +32,24 @@ class SamplerOutput:
     # sampled token first, then the top N (N = params.logprobs) in descending
     # order. The sampled token may appear twice, as in vLLM.
     logprobs: list[list[TokenLogprob] | None]
+
+
+def ranked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """log_softmax of `logits` [R, V] (in fp32), then per row the logprob and
+    rank of `tokens` [R] ([R, 1] each) and, when n > 0, the top n as ids,
+    logprobs and ranks ([R, n] each, descending). rank = 1 + the number of
+    strictly greater logprobs, so ties share a rank. The sampler's logprobs
+    and the prompt logprobs both rank this way."""
+    logprobs = logits.float().log_softmax(dim=-1)  # no-op .float() for fp32
+    chosen_lp = logprobs.gather(1, tokens[:, None])
+    chosen_rank = (logprobs > chosen_lp).sum(dim=-1, keepdim=True) + 1
+    if not n:
+        return [chosen_lp, chosen_rank]
+    top_lp, top_ids = logprobs.topk(n, dim=-1)  # sorted descending
+    # Anything strictly greater than a top-n value is itself in the top n, so
+    # an n x n comparison ranks them (no second pass over the vocabulary).
+    top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(dim=-1) + 1
+    return [chosen_lp, chosen_rank, top_ids, top_lp, top_rank]
 
 
 def to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -54,7 +54,12 @@ import torch
 
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.worker.penalties import TokenHistory, penalize, record
-from tinyengine.worker.sample_output import PendingSample, SamplerOutput, to_host
+from tinyengine.worker.sample_output import (
+    PendingSample,
+    SamplerOutput,
+    ranked_logprobs,
+    to_host,
+)
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a
 # denormal-ish temperature overflows the logits to inf and softmax to NaN.
@@ -387,21 +392,10 @@ class Sampler:
         else:
             index = self._to_device(rows, torch.long)
             lp_logits, lp_tokens = raw.index_select(0, index), tokens.index_select(0, index)
-        logprobs = lp_logits.float().log_softmax(dim=-1)  # no-op .float() for fp32 raw
-        chosen_lp = logprobs.gather(1, lp_tokens[:, None])
-        chosen_rank = (logprobs > chosen_lp).sum(dim=-1, keepdim=True) + 1
-        parts = [tokens, lp_tokens, chosen_lp, chosen_rank]
-
         vocab = raw.shape[-1]
         wanted = [min(params[i].logprobs or 0, vocab) for i in rows]  # tiny test vocabs
         n = max(wanted)
-        if n:
-            top_lp, top_ids = logprobs.topk(n, dim=-1)  # sorted descending
-            # rank = 1 + #strictly greater. Anything strictly greater than a
-            # top-n value is itself in the top n, so an n x n comparison suffices
-            # (no second pass over the vocabulary, and ties share a rank).
-            top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(dim=-1) + 1
-            parts += [top_ids, top_lp, top_rank]
+        parts = [tokens, lp_tokens, *ranked_logprobs(lp_logits, lp_tokens, n)]
 
         # One device->host copy for everything: float64 holds token ids and ranks
         # exactly and fp32 logprobs losslessly.
