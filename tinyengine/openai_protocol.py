@@ -158,7 +158,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = False  # null means false (OpenAI and vLLM accept it)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -166,7 +166,9 @@ class CompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.best_of not in (None, 1, self.n):
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad_request(f"best_of={self.best_of} must be >= n={self.n}", "best_of")
+        if self.best_of is not None and self.best_of != self.n:
             raise bad_request(
                 f"best_of={self.best_of} is not supported: only best_of == n (no ranking)",
                 "best_of",
@@ -220,7 +222,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1)  # None: up to max_model_len
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name
-    logprobs: bool = False
+    logprobs: bool | None = False  # null means false
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

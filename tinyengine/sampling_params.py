@@ -108,8 +108,10 @@ class SamplingParams:
             and all(_is_number(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values())
         ):
             raise bad("logit_bias", "must map token ids (ints >= 0) to numbers in [-100, 100]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
+            # torch.Generator.manual_seed takes [-2^63, 2^64); int64 (vLLM's
+            # bound) leaves room for the seed + i of n > 1's completions.
+            raise bad("seed", "must be an integer in [-2^63, 2^63) or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 (or None for 'up to max_model_len')")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -131,17 +133,22 @@ class SamplingParams:
         """The n one-sequence requests that serve n completions of a prompt
         (the engine runs one sequence per request; the prefix cache shares the
         prompt's KV blocks among them). Completion i of a seeded request uses
-        seed + i: reproducible, and completion 0 equals the n=1 result."""
+        seed + i (wrapped into int64): reproducible, and completion 0 equals
+        the n=1 result."""
         if self.n == 1:
             return [self]
         return [
-            replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+            replace(self, n=1, seed=None if self.seed is None else _wrap_int64(self.seed + i))
             for i in range(self.n)
         ]
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _wrap_int64(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
 
 
 def _is_int(x: object) -> bool:

@@ -283,7 +283,9 @@ def test_echo_with_logprobs_scores_the_prompt(client, oai, llm, model_name):
     want += [e[t].logprob for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs,
                                           strict=True)]  # fmt: skip
     assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
-    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    # The top 2, plus the chosen token where it ranks lower (OpenAI's rule).
+    for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True):
+        assert token in top and 2 <= len(top) <= 3
     assert lp.text_offset == sorted(lp.text_offset)
 
     body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2,
@@ -383,9 +385,36 @@ def test_completion_logprobs(client, llm):
     assert lp["text_offset"][0] == 0
     for i, (token_id, entry) in enumerate(zip(ref.token_ids, ref.logprobs, strict=True)):
         assert lp["token_logprobs"][i] == pytest.approx(entry[token_id].logprob, abs=1e-5)
-        assert 1 <= len(lp["top_logprobs"][i]) <= 3
+        assert 1 <= len(lp["top_logprobs"][i]) <= 3  # greedy: the chosen token is in the top
         # Greedy: the sampled token is the most likely one.
         assert max(lp["top_logprobs"][i].values()) == pytest.approx(lp["token_logprobs"][i])
+
+
+def test_completion_top_logprobs_always_list_the_chosen_token(client):
+    # OpenAI's legacy format: "the API will always return the logprob of the
+    # sampled token, so there may be up to logprobs+1 elements". A hot
+    # temperature samples tokens outside the top 1; logprobs=0 lists only it.
+    for n_top in (0, 1):
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 2.0, "seed": 5,
+                "logprobs": n_top, "echo": True}  # fmt: skip
+        lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                     strict=True):  # fmt: skip
+            if value is None:  # the echoed prompt's first token
+                assert top is None
+                continue
+            assert top[token] == pytest.approx(value)
+            assert len(top) <= n_top + 1
+        if n_top == 0:
+            assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+
+
+def test_null_for_optional_booleans_means_false(client):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "echo": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    body = {"messages": QUESTION, "max_tokens": 2, "logprobs": None}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 
 
 def test_streamed_completion_logprobs_line_up(client):
@@ -464,28 +493,31 @@ BAD_REQUESTS = [
     ("completions", {"prompt": 3.5}, 400, "prompt", "prompt"),
     ("completions", {}, 400, "prompt", "required"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "gpt-4"),
-    ("completions", {"prompt": "hi " * 600}, 400, None, "max_model_len"),
+    ("completions", {"prompt": "hi " * 600}, 400, "prompt", "max_model_len"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than"),
     ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", "greater"),
     ("completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than"),
-    ("completions", {"prompt": "hi", "max_tokens": 600}, 400, None, "maximum context length"),
+    ("completions", {"prompt": "hi", "max_tokens": 600}, 400, "max_tokens", "maximum context"),
     ("completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "best_of == n"),
+    ("completions", {"prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of", "best_of=1 must"),
+    ("completions", {"prompt": "hi", "seed": 2**64 + 5}, 400, "seed", "2^63"),
+    ("completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed", "2^63"),
     ("completions", {"prompt": "hi", "top_k": -7}, 400, "top_k", "top_k"),
     ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "less than"),
-    ("completions", {"prompt": [10**9]}, 400, None, "vocabulary"),
+    ("completions", {"prompt": [10**9]}, 400, "prompt", "vocabulary"),
     ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
     ("completions", {"prompt": "hi", "logit_bias": {"3": 200}}, 400, "logit_bias", "[-100"),
-    ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None, "vocabulary"),
+    ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias", "vocab"),
     ("chat/completions", {"messages": []}, 400, "messages", "non-empty"),
     ("chat/completions", {"messages": "hello"}, 400, "messages", "array"),
     ("chat/completions", {"messages": QUESTION, "n": 500}, 400, "n", "less than"),
-    ("chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, None, "max_tokens"),
+    ("chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, "max_tokens", "too large"),
     ("chat/completions", {"messages": QUESTION, "temperature": -1}, 400, "temperature", ">"),
     (
         "chat/completions",
         {"messages": [{"role": "user", "content": "hi " * 600}]},
         400,
-        None,
+        "prompt",
         "max_model_len",
     ),
     ("chat/completions", {"messages": QUESTION, "model": "nope"}, 404, "model", "nope"),

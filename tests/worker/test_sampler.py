@@ -524,6 +524,8 @@ def test_random_batches_respect_every_rule(
         ({"min_p": -0.1}, "min_p"),
         ({"min_p": 2.0}, "min_p"),
         ({"seed": "abc"}, "seed"),
+        ({"seed": 2**63}, "seed"),  # torch's generator would overflow mid-step
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
@@ -543,6 +545,9 @@ def test_sampling_params_accepts_edges() -> None:
     SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0)
     SamplingParams(top_k=0, min_p=1.0, logprobs=0, max_tokens=None, min_tokens=100)
     SamplingParams(logprobs=MAX_LOGPROBS, stop="x", min_tokens=3, max_tokens=3)
+    last = SamplingParams(seed=2**63 - 1, n=3).fan_out()  # seed + i wraps within int64
+    assert [p.seed for p in last] == [2**63 - 1, -(2**63), -(2**63) + 1]
+    SamplingParams(seed=-(2**63))
     assert math.isclose(SamplingParams(temperature=0.5).temperature, 0.5)
 
 

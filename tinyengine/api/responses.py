@@ -61,7 +61,8 @@ def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:
 
 def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
     """The top n of the distribution. The engine also reports the sampled
-    token, which may rank below n; it is not part of the top list."""
+    token, which may rank below n; it is not part of the chat format's top
+    list (OpenAI's chat API returns exactly n)."""
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n), key=lambda x: x[1].rank)
 
 
@@ -85,7 +86,11 @@ def completion_logprobs(
         text = _token_text(token_id, entry)
         tokens.append(text)
         token_logprobs.append(_value(entry.get(token_id)))
-        top_logprobs.append({_token_text(t, entry): _value(lp) for t, lp in _top(entry, num_top)})
+        # OpenAI's legacy format (and vLLM's) always lists the chosen token
+        # too: up to num_top + 1 entries, in rank order.
+        ranked = [(t, lp) for t, lp in entry.items() if lp.rank <= num_top or t == token_id]
+        ranked.sort(key=lambda x: x[1].rank)
+        top_logprobs.append({_token_text(t, entry): _value(lp) for t, lp in ranked})
         offsets.append(text_offset)
         text_offset += len(text)
     return {
