@@ -18,8 +18,9 @@ Must never (each one breaks CUDA-graph capture or replay):
 Numerics: every tile is upcast to fp32 for softmax bookkeeping; scores live in
 the log2 domain (scale * log2(e) folded into one multiplier, so exp2 replaces
 exp). On the GPU the two matmuls take the storage dtype (bf16/fp16 tensor
-cores) and accumulate in fp32. Under TRITON_INTERPRET=1 the tiles are upcast to
-fp32 right after tl.load because the interpreter computes bf16 math wrongly.
+cores; fp32 tiles in 3xTF32, `dot_precision`) and accumulate in fp32. Under
+TRITON_INTERPRET=1 the tiles are upcast to fp32 right after tl.load because
+the interpreter computes bf16 math wrongly.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for tiles of `dtype` (a DOT_PRECISION
+    constexpr of the attention, MLA and MoE kernels). fp32 tiles multiply in
+    3xTF32 (about fp32's accuracy, like torch's fp32 matmul) instead of
+    Triton's default single TF32 pass, whose 10-bit mantissa put an fp32
+    model's prompt log-probs 2.3e-3 off HF's on the H200; for bf16/fp16 tiles
+    the setting means nothing ("tf32", the default: their kernels are
+    unchanged). The interpreter ignores it (numpy matmul)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -69,6 +81,7 @@ def _attend_tile(
     HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, UPCAST: tl.constexpr, OFFS_32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [n_start, n_start + BLOCK_N).
 
@@ -99,7 +112,8 @@ def _attend_tile(
     if UPCAST:
         k = k.to(tl.float32)
 
-    s = tl.dot(q, k)  # [M, BLOCK_N] raw scores; times qk_scale they are log2 units
+    # [M, BLOCK_N] raw scores; times qk_scale they are log2 units
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
     # Every row has already seen key 0 (or sees it in this tile), so m_new is
@@ -119,7 +133,7 @@ def _attend_tile(
     if UPCAST:
         v = v.to(tl.float32)
     # Rescale first, then let the MMA accumulate into acc in place.
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -149,6 +163,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, OFFS_32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_tiles * num_kv_heads,). A program owns BLOCK_Q query tokens of
     one sequence times the GROUP query heads sharing one KV head: tile row r is
@@ -200,12 +215,14 @@ def _prefill_kernel(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST, OFFS_32,
+            DOT_PRECISION,
         )  # fmt: skip
     for n in range(n_full, kv_end, BLOCK_N):  # the diagonal band: causal mask
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, True, UPCAST, OFFS_32,
+            DOT_PRECISION,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -224,7 +241,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
-    OFFS_32: tl.constexpr,
+    OFFS_32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). One program: the GROUP query
     heads of one KV head (rows of a [BLOCK_G, D] tile, so each K/V tile is
@@ -282,12 +299,14 @@ def _decode_split_kernel(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST, OFFS_32,
+            DOT_PRECISION,
         )  # fmt: skip
     for n in range(n_full, end, BLOCK_N):  # at most one partial tile
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, True, UPCAST, OFFS_32,
+            DOT_PRECISION,
         )  # fmt: skip
 
     # l_i == 0 only for an empty context (a padding sequence): output zeros.
@@ -413,7 +432,7 @@ def prefill_attention(
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
         BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
         UPCAST=_interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -454,7 +473,7 @@ def decode_attention(
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
         BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
         DIRECT=direct, UPCAST=_interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

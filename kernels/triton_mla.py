@@ -68,7 +68,8 @@ before any CUDA graph is captured.
 
 Numerics: softmax bookkeeping in fp32 in the log2 domain (scale * log2(e)
 folded into one multiplier, exp2 instead of exp); on the GPU the dots take the
-storage dtype (bf16 tensor cores) and accumulate in fp32. Under
+storage dtype (bf16 tensor cores; fp32 tiles in 3xTF32, see
+triton_attention.dot_precision) and accumulate in fp32. Under
 TRITON_INTERPRET=1 tiles are upcast to fp32 right after tl.load because the
 interpreter computes bf16 math wrongly.
 """
@@ -90,7 +91,7 @@ from kernels.mla_tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: t
     _warps_for,
     mla_config,
 )
-from kernels.triton_attention import LOG2E, _interpreting, _num_sms
+from kernels.triton_attention import LOG2E, _interpreting, _num_sms, dot_precision
 
 _LAZY_RESCALE = True
 # A running max may lag the true one by up to this much (log2 units) before the
@@ -128,7 +129,7 @@ def _mla_split_kernel(
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DIRECT: tl.constexpr, LAZY_RESCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
-    DEFER_PV: tl.constexpr, UPCAST: tl.constexpr,
+    DEFER_PV: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(H, BLOCK_H), B, num_splits): the head blocks of one
     sequence are adjacent program ids, so they run together and the second
@@ -202,7 +203,7 @@ def _mla_split_kernel(
                     acc = acc * alpha_prev[:, None]
             else:
                 acc = acc * alpha_prev[:, None]
-            acc = tl.dot(p_prev, lat_prev, acc)
+            acc = tl.dot(p_prev, lat_prev, acc, input_precision=DOT_PRECISION)
 
         pos = n + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
@@ -220,10 +221,13 @@ def _mla_split_kernel(
             # Two independent dots: scaling each before the sum stops Triton
             # folding the add into a dot -> dot accumulator chain (which would
             # again lay the latent QK out as a chain head).
-            s = tl.dot(q_lat, tl.trans(lat)) * qk_scale + tl.dot(q_rope, tl.trans(rope)) * qk_scale
+            s = (
+                tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION) * qk_scale
+                + tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION) * qk_scale
+            )
         else:
-            s = tl.dot(q_lat, tl.trans(lat))
-            s = tl.dot(q_rope, tl.trans(rope), s) * qk_scale
+            s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
+            s = tl.dot(q_rope, tl.trans(rope), s, input_precision=DOT_PRECISION) * qk_scale
         # Rows past `end` may hold another sequence's data: zero weight.
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         # Every tile has >= 1 live row (start < end), so m_tile is finite.
@@ -259,13 +263,13 @@ def _mla_split_kernel(
             alpha_prev = alpha
             rescale_prev = rescale
         else:
-            acc = tl.dot(p.to(mma_ty), lat, acc)
+            acc = tl.dot(p.to(mma_ty), lat, acc, input_precision=DOT_PRECISION)
     if DEFER_PV:  # the last tile's PV (adds 0 when the loop never ran)
         lat_prev = _load_rows(row_prev, ok_prev, offs_l, LATENT, BLOCK_L)
         if UPCAST:
             lat_prev = lat_prev.to(tl.float32)
         acc = acc * alpha_prev[:, None]
-        acc = tl.dot(p_prev, lat_prev, acc)
+        acc = tl.dot(p_prev, lat_prev, acc, input_precision=DOT_PRECISION)
 
     # l_i == 0 only for an empty context (seq_len 0, a padding row): output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -408,7 +412,7 @@ def mla_decode(
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, DIRECT=direct, LAZY_RESCALE=lazy,
         RESCALE_THRESHOLD=_RESCALE_THRESHOLD, DEFER_PV=defer, UPCAST=_interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(latent_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not direct:
         _mla_reduce_kernel[(num_seqs, num_heads)](

@@ -24,7 +24,7 @@ from kernels.workspace import Workspace
 HAS_TORCH_REF = importlib.util.find_spec("kernels.attention") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
-    torch.float32: 2e-3 if DEVICE == "cuda" else 2e-5,  # tf32 dots on the GPU
+    torch.float32: 1e-4 if DEVICE == "cuda" else 2e-5,  # GPU: 3xTF32 dots (dot_precision)
     torch.float16: 2e-3,
     torch.bfloat16: 2e-2,
 }  # relative Frobenius

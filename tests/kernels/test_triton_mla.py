@@ -25,7 +25,7 @@ from kernels.workspace import Workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
-    torch.float32: 2e-3 if DEVICE == "cuda" else 2e-5,
+    torch.float32: 1e-4 if DEVICE == "cuda" else 2e-5,  # GPU: 3xTF32 dots (dot_precision)
     torch.bfloat16: 2e-2,
 }  # relative Frobenius
 
@@ -278,7 +278,7 @@ def test_gpu_fp32_at_deepseek_v3_widths() -> None:
     assert triton_mla.mla_config(4, 128, 512, 512, 132, 4)[:2] == (32, 32)
     ref = mla_ref.mla_decode(*args, max_seq_len=512)
     out = triton_mla.mla_decode(*args, max_seq_len=512)
-    assert rel_err(out, ref) < 2e-3
+    assert rel_err(out, ref) < TOL[torch.float32]
 
 
 @pytest.mark.gpu

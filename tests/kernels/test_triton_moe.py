@@ -23,7 +23,7 @@ from kernels.workspace import Workspace
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative Frobenius. bf16: the interpreter truncates fp32->bf16 casts (the
 # reference rounds to nearest), which roughly triples the rounding error.
-TOL = {torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5, torch.bfloat16: 4e-2}
+TOL = {torch.float32: 1e-4 if DEVICE == "cuda" else 1e-5, torch.bfloat16: 4e-2}
 CLASSES = range(len(triton_moe.CLASS_CONFIGS))
 
 
@@ -220,6 +220,73 @@ def test_tma_falls_back_where_alignment_rules_it_out() -> None:
     assert not down["TMA_W"] and not down["TMA_A"]
 
 
+# ----------------------------------------------------------------------------- tail tiles
+
+
+def _tail_config(mode: int, block_m: int, tail_m: int) -> dict:
+    return {g: dict(c, tma=mode, block_m=block_m, tail_m=tail_m)
+            for g, c in triton_moe.CLASS_CONFIGS[-1].items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", [triton_moe.TMA_OFF, triton_moe.TMA_AW])
+@pytest.mark.parametrize(
+    ("case", "block_m", "tail_m"),
+    [("skewed", 32, 16), ("one_hot_expert", 32, 16), ("plain", 128, 32)],
+)
+def test_tail_tiles_match_reference(case: str, block_m: int, tail_m: int, mode: int,
+                                    dtype: torch.dtype) -> None:  # fmt: skip
+    # skewed: expert 1's 36 pairs are a full 32-row block plus a 4-row tail,
+    # the other experts' few pairs tail blocks; one_hot_expert: 40 pairs =
+    # 32 + an 8-row tail running past M.
+    t, d, i, e, k, ids = TMA_CASES[case]
+    args = make(t, d, i, e, k, dtype, seed=14, ids=ids)
+    cfg = _tail_config(mode, block_m, tail_m)
+    out = triton_moe.fused_moe(*args, workspace=Workspace(DEVICE), config=cfg)
+    assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[dtype]
+    plain = triton_moe.fused_moe(*args, config=_tail_config(mode, block_m, 0))
+    assert rel_err(out, plain) < TOL[dtype]
+
+
+@pytest.mark.parametrize("mode", [triton_moe.TMA_OFF, triton_moe.TMA_AW])
+def test_tail_tiles_serve_exactly_the_short_blocks(mode: int) -> None:
+    # gate_up with its tail operand swapped for zeros: the act rows of every
+    # block with <= tail_m live rows come out 0 (silu(0) * 0), every other
+    # block's rows are the real ones. Proves which blocks take the tail path.
+    t, d, i, e, k, ids = TMA_CASES["skewed"]
+    block_m, tail_m = 32, 16
+    x, w13, w2, _, topk_ids = make(t, d, i, e, k, torch.float32, seed=15, ids=ids)
+    c = _tail_config(mode, block_m, tail_m)["gate_up"]
+    s = triton_moe._scratch(x, w13, w2, topk_ids, None, sorted_x=mode >= triton_moe.TMA_AW)
+    triton_moe._group(topk_ids, s)
+    launches = triton_moe._gate_up_launch(x, w13, s, k, c)
+    triton_moe._run(launches)
+    real = s.act.clone()
+    kernel, grid, args, kwargs = launches[-1]
+    zeros = torch.zeros_like(s.xs if mode >= triton_moe.TMA_AW else x)
+    tail_arg = zeros
+    if mode >= triton_moe.TMA_AW:
+        tail_arg = triton_moe._desc(zeros, zeros.shape[0], zeros.stride(0), [tail_m, c["block_k"]])
+    triton_moe._run([(kernel, grid, (args[0], tail_arg, *args[2:]), kwargs)])
+    counts = torch.bincount(topk_ids.flatten().cpu(), minlength=e)
+    is_tail = []
+    for count in counts.tolist():
+        for j in range(count):
+            is_tail.append(count - (j // block_m) * block_m <= tail_m)
+    is_tail = torch.tensor(is_tail, device=s.act.device)
+    assert is_tail.any() and (~is_tail).any()
+    assert torch.equal(s.act[is_tail], torch.zeros_like(s.act[is_tail]))
+    assert torch.equal(s.act[~is_tail], real[~is_tail])
+    assert (real[is_tail] != 0).any()
+
+
+def test_tail_m_validation() -> None:
+    args = make(6, 32, 16, 4, 2, torch.float32, seed=1)
+    for bad in (8, 24, 128, 256):
+        with pytest.raises(ValueError, match="tail_m"):
+            triton_moe.fused_moe(*args, config={"down": {"block_m": 128, "tail_m": bad}})
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -349,9 +416,9 @@ def test_gpu_fp32_every_class_fits(num_tokens: int) -> None:
     x, w13, w2, weights, ids = make(t, d, i, e, k, torch.float32)
     ref = moe_ref.fused_moe(x, w13, w2, weights, ids)
     out = triton_moe.fused_moe(x, w13, w2, weights, ids, workspace=Workspace("cuda"))
-    # tl.dot on fp32 runs TF32 on the GPU: measured 2.3e-3 at D=1024 (2e-3,
-    # TOL's GPU fp32 value, is sized for the small CPU-test widths).
-    assert rel_err(out, ref) < 5e-3
+    # fp32 dots run 3xTF32 (dot_precision); Triton's default single TF32 pass
+    # measured 2.3e-3 here.
+    assert rel_err(out, ref) < 1e-4
 
 
 @pytest.mark.gpu
