@@ -56,7 +56,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from kernels import moe as moe_ref  # noqa: E402
-from kernels import moe_tiles  # noqa: E402
 from kernels import triton_moe as tm  # noqa: E402
 from kernels.workspace import Workspace  # noqa: E402
 
@@ -71,7 +70,10 @@ START = time.time()
 # ----------------------------------------------------------------------------- the grid
 
 
-_tile = moe_tiles._gemm  # (bm, bn, bk, warps, stages, group_m, tma=0, tail_m=0) -> a config
+def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
+          tma: int = 0) -> dict[str, int]:  # fmt: skip
+    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                group_m=group_m, tma=tma)  # fmt: skip
 
 
 def smem_bytes(gemm: str, c: dict[str, int]) -> int:
@@ -118,10 +120,6 @@ def candidates(cls: int, gemm: str, heur: dict[str, int]) -> tuple[list[dict], l
         # tiles halve that padding (more weight re-reads, from L2 when grouped).
         tiles += [_tile(64, bn, 64, w, st, 8, 2) for bn, w in ((128, 4), (128, 8), (256, 4),
                   (256, 8)) for st in (3, 4, 5)]  # fmt: skip
-        # Tail tiles (triton_moe.py, "Tail tiles"): the 128-row TMA tiles
-        # whose experts' short last blocks run a 64- or 32-row tile.
-        bn = 128 if gemm == "gate_up" else 256
-        tiles += [_tile(128, bn, 64, 8, st, 8, 2, tail) for tail in (32, 64) for st in (3, 4)]
     keep, pruned = [dict(heur)], []
     for c in tiles:
         if tile_key(c) == tile_key(heur):
@@ -138,21 +136,19 @@ def candidates(cls: int, gemm: str, heur: dict[str, int]) -> tuple[list[dict], l
 def tile_key(c: dict[str, int]) -> tuple[int, ...]:
     """What a compiled variant depends on (group_m is a runtime argument)."""
     return (c["block_m"], c["block_n"], c["block_k"], c["num_warps"], c["num_stages"],
-            c.get("tma", 0), c.get("tail_m", 0))  # fmt: skip
+            c.get("tma", 0))  # fmt: skip
 
 
 def fmt(c: dict[str, int]) -> str:
     return (f"bm{c['block_m']:<3} bn{c['block_n']:<3} bk{c['block_k']:<3} "
             f"w{c['num_warps']} s{c['num_stages']} g{c['group_m']:<2} "
-            f"{'tma' + str(c['tma']) if c.get('tma') else 'ptr '}"
-            f"{' tail' + str(c['tail_m']) if c.get('tail_m') else ''}")  # fmt: skip
+            f"{'tma' + str(c['tma']) if c.get('tma') else 'ptr '}")  # fmt: skip
 
 
 def as_code(c: dict[str, int]) -> str:
     fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
-    tma = f", tma={c['tma']}" if c.get("tma") or c.get("tail_m") else ""
-    tail = f", tail_m={c['tail_m']}" if c.get("tail_m") else ""
-    return f"_gemm({', '.join(str(c[f]) for f in fields)}{tma}{tail})"
+    tma = f", tma={c['tma']}" if c.get("tma") else ""
+    return f"_gemm({', '.join(str(c[f]) for f in fields)}{tma})"
 
 
 # ----------------------------------------------------------------------------- dry run

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 GEMMS = ("gate_up", "down")
-_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "tma", "tail_m")
+_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "tma")
 # "tma": how a GEMM loads its operands (Hopper's tensor memory accelerator,
 # through host-built tensor descriptors, vs pointer loads / cp.async):
 TMA_OFF = 0  # both operands through pointers
@@ -22,10 +22,8 @@ TMA_MODES = (TMA_OFF, TMA_W, TMA_AW)
 
 
 def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
-          tma: int = TMA_OFF, tail_m: int = 0) -> dict[str, int]:  # fmt: skip
-    """One GEMM's tiles; tail_m > 0: blocks with at most tail_m live rows run a
-    tail_m-row tile (kernels/triton_moe.py, "Tail tiles"); 0: off."""
-    return dict(zip(_FIELDS, (bm, bn, bk, warps, stages, group_m, tma, tail_m), strict=True))
+          tma: int = TMA_OFF) -> dict[str, int]:  # fmt: skip
+    return dict(zip(_FIELDS, (bm, bn, bk, warps, stages, group_m, tma), strict=True))
 
 
 # Size classes by the mean rows per expert, M / E (M = T*K pairs): class c
@@ -39,16 +37,12 @@ def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
 # TB/s of touched weights. Class 2 loads both operands by TMA (tma=2; the
 # second H200 sweep: gate_up 5148 us vs 5540 with pointers, down 2639 vs
 # 2967 at T=4096): the whole op reaches 358 TFLOP/s at T=4096 and 438 at
-# T=8192 (grouping + reduction ~2%). Class 2's down runs its experts' short
-# last blocks as 64-row tail tiles (tail_m=64; H200 sweep 2026-12-03: down
-# 2810 -> 2579 us at T=4096, 2163 -> 2024 at 2048, 4488 -> 4236 at 8192);
-# gate_up's tail tiles lose (5303 -> 5552 us at T=4096), so it has none.
+# T=8192 (grouping + reduction ~2%).
 CLASS_ROWS = (16, 64)
 CLASS_CONFIGS: tuple[dict[str, dict[str, int]], ...] = (
     {"gate_up": _gemm(16, 128, 128, 4, 3, 0), "down": _gemm(16, 128, 128, 4, 4, 0)},
     {"gate_up": _gemm(32, 64, 64, 4, 4, 1), "down": _gemm(32, 128, 64, 4, 3, 1)},
-    {"gate_up": _gemm(128, 128, 64, 8, 4, 8, tma=2),
-     "down": _gemm(128, 256, 64, 8, 4, 8, tma=2, tail_m=64)},  # fmt: skip
+    {"gate_up": _gemm(128, 128, 64, 8, 4, 8, tma=2), "down": _gemm(128, 256, 64, 8, 4, 16, tma=2)},
 )
 
 
@@ -103,10 +97,6 @@ def _resolve(base: dict[str, dict[str, int]], override: dict[str, Any] | None) -
             raise ValueError(f"fused_moe config[{gemm!r}]: unknown fields {sorted(unknown)}")
         out[gemm].update(fields)
     for gemm, c in out.items():
-        tail = c["tail_m"]
-        if tail and (tail < 16 or tail & (tail - 1) or tail >= c["block_m"]):
-            raise ValueError(f"fused_moe config[{gemm!r}]['tail_m']={tail}: 0 (off) or a power "
-                             f"of two >= 16 below block_m={c['block_m']}")  # fmt: skip
         if c["tma"] not in TMA_MODES:
             raise ValueError(f"fused_moe config[{gemm!r}]['tma']={c['tma']!r}: one of {TMA_MODES}")
         for name in ("block_m", "block_n", "block_k"):

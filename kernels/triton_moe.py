@@ -46,16 +46,6 @@ tile at nearly the same time (one HBM read, the rest L2 hits). group_m = 0
 means one run of all M-blocks (M-block fastest), the order of a plain 2-D
 grid, which suits decode (one block per expert, weights read once anyway).
 
-Tail tiles (the config's "tail_m"). At ~128 rows per expert (DeepSeek-V3,
-T = 4096) about half the experts get a second 128-row block holding a few
-rows: a third of the tiles' MMA work would be padding. With tail_m = t > 0,
-a block with at most t live rows (an expert's last block, or a whole small
-expert) runs a t-row tile instead: the blocks and their rows stay those of
-BLOCK_M (the grid, the grouping and the program order do not change); only
-the MMA shrinks. Both tile bodies are compiled into the one kernel, so the
-tail still runs right beside its expert's full block and finds the weight
-tiles in L2.
-
 Inner loops carry no masks in the common case: padded rows of a block read
 row 0 (pair 0 / sorted row 0, always valid memory) and are dropped at the
 store; N tails wrap (n % N) instead of masking; only a K that is not a
@@ -144,10 +134,9 @@ def _program_tile(NUM_N_BLOCKS: tl.constexpr, group_m):
 @device_fn
 def _block_rows(b, counts_ptr, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
                 BLOCK_M: tl.constexpr):  # fmt: skip
-    """(expert, first sorted row, live rows) of M-block b: its sorted rows are
-    first + [0, BLOCK_M), of which the first min(live, BLOCK_M) are the
-    expert's (see the module docstring). expert >= NUM_EXPERTS means "no
-    work"."""
+    """(expert, first sorted row, row mask [BLOCK_M]) of M-block b, whose
+    sorted rows are first + [0, BLOCK_M); see the module docstring. expert >=
+    NUM_EXPERTS means "no work"."""
     e_idx = tl.arange(0, E_POW2)
     counts = tl.load(counts_ptr + e_idx, mask=e_idx < NUM_EXPERTS, other=0)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
@@ -160,7 +149,8 @@ def _block_rows(b, counts_ptr, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
     first_blk = tl.sum(tl.where(before, nblk, 0), 0)
     count = tl.sum(tl.where(e_idx == expert, counts, 0), 0)
     first_in_seg = (b - first_blk) * BLOCK_M
-    return expert, seg_start + first_in_seg, count - first_in_seg
+    in_seg = first_in_seg + tl.arange(0, BLOCK_M)
+    return expert, seg_start + first_in_seg, in_seg < count
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -182,57 +172,28 @@ def _gather_kernel(x_ptr, order_ptr, xs_ptr, num_pairs, stride_xt, stride_xs,
 
 @triton.jit(do_not_specialize=["group_m"])
 def _gate_up_kernel(
-    x_ptr, x_tail, w13, act_ptr, order_ptr, counts_ptr,
+    x_ptr, w13, act_ptr, order_ptr, counts_ptr,
     stride_xt, stride_we, stride_wn, stride_am, group_m,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (max M-blocks * cdiv(I, BLOCK_N),). act[row, n] = silu(x_t . gate_n) *
     (x_t . up_n) for the sorted rows of one expert's M-block; row r holds pair
     order[r], token order[r] // K. act rows are in sorted order. w13's last
     dim is contiguous (checked on the host).
 
-    TAIL_M > 0: a block with at most TAIL_M live rows (an expert's last,
-    short block) runs a TAIL_M-row tile instead (see "Tail tiles" above);
-    x_tail is then x_ptr's twin for that tile (the same pointer, or a
-    descriptor with [TAIL_M, BLOCK_K] blocks). TMA_W: w13 is a tensor
-    descriptor over w13 viewed as [E*2I, D], block [BLOCK_N, BLOCK_K] (else a
-    pointer). TMA_A: x_ptr is a descriptor over the sorted copy xs [M, D]
-    (_gather_kernel), block [BLOCK_M, BLOCK_K]; the block's rows past its
-    expert's segment read the next expert's rows (or zeros past M) and are
-    dropped at the store; the strides are then unused."""
+    TMA_W: w13 is a tensor descriptor over w13 viewed as [E*2I, D], block
+    [BLOCK_N, BLOCK_K] (else a pointer). TMA_A: x_ptr is a descriptor over the
+    sorted copy xs [M, D] (_gather_kernel), block [BLOCK_M, BLOCK_K]; the
+    block's rows past its expert's segment read the next expert's rows (or
+    zeros past M) and are dropped at the store; the strides are then unused."""
     pid_m, pid_n = _program_tile(tl.cdiv(INTER, BLOCK_N), group_m)
-    expert, row0, live = _block_rows(pid_m, counts_ptr, NUM_EXPERTS, E_POW2, BLOCK_M)
+    expert, row0, row_ok = _block_rows(pid_m, counts_ptr, NUM_EXPERTS, E_POW2, BLOCK_M)
     if expert >= NUM_EXPERTS:
         return
-    if TAIL_M == 0:
-        _gate_up_tile(x_ptr, w13, act_ptr, order_ptr, expert, row0, live, pid_n,
-                      stride_xt, stride_we, stride_wn, stride_am, INTER, HIDDEN, TOP_K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, TMA_A, TMA_W, DOT_PRECISION)  # fmt: skip
-    elif live <= TAIL_M:
-        _gate_up_tile(x_tail, w13, act_ptr, order_ptr, expert, row0, live, pid_n,
-                      stride_xt, stride_we, stride_wn, stride_am, INTER, HIDDEN, TOP_K,
-                      TAIL_M, BLOCK_N, BLOCK_K, UPCAST, TMA_A, TMA_W, DOT_PRECISION)  # fmt: skip
-    else:
-        _gate_up_tile(x_ptr, w13, act_ptr, order_ptr, expert, row0, live, pid_n,
-                      stride_xt, stride_we, stride_wn, stride_am, INTER, HIDDEN, TOP_K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, TMA_A, TMA_W, DOT_PRECISION)  # fmt: skip
-
-
-@device_fn
-def _gate_up_tile(
-    x_ptr, w13, act_ptr, order_ptr, expert, row0, live, pid_n,
-    stride_xt, stride_we, stride_wn, stride_am,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """gate_up's [BLOCK_M, BLOCK_N] output tile at sorted rows row0 + [0,
-    BLOCK_M) (the first `live` of them the expert's) and columns pid_n."""
     rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = tl.arange(0, BLOCK_M) < live
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     if not TMA_A:
@@ -297,51 +258,26 @@ def _gate_up_tile(
 
 @triton.jit(do_not_specialize=["group_m"])
 def _down_kernel(
-    act, act_tail, w2, y_ptr, order_ptr, counts_ptr,
+    act, w2, y_ptr, order_ptr, counts_ptr,
     stride_am, stride_we, stride_wn, stride_ym, group_m,
     INTER: tl.constexpr, HIDDEN: tl.constexpr,
     NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (max M-blocks * cdiv(D, BLOCK_N),). y[pair, n] = act_row . w2[e, n],
     rounded to y's dtype and written at the pair's *unsorted* index t*K + k so
     the per-token sum reads K consecutive rows (deterministic; no atomics).
 
-    TAIL_M / act_tail: as gate_up's TAIL_M / x_tail. TMA_A: act is a tensor
-    descriptor over act [M, I], block [BLOCK_M, BLOCK_K] (rows past the
-    segment: the next expert's rows or zeros past M, dropped at the store);
-    TMA_W: w2 is one over w2 viewed as [E*D, I], block [BLOCK_N, BLOCK_K].
-    Otherwise pointers."""
+    TMA_A: act is a tensor descriptor over act [M, I], block [BLOCK_M,
+    BLOCK_K] (rows past the segment: the next expert's rows or zeros past M,
+    dropped at the store); TMA_W: w2 is one over w2 viewed as [E*D, I], block
+    [BLOCK_N, BLOCK_K]. Otherwise pointers."""
     pid_m, pid_n = _program_tile(tl.cdiv(HIDDEN, BLOCK_N), group_m)
-    expert, row0, live = _block_rows(pid_m, counts_ptr, NUM_EXPERTS, E_POW2, BLOCK_M)
+    expert, row0, row_ok = _block_rows(pid_m, counts_ptr, NUM_EXPERTS, E_POW2, BLOCK_M)
     if expert >= NUM_EXPERTS:
         return
-    if TAIL_M == 0:
-        _down_tile(act, w2, y_ptr, order_ptr, expert, row0, live, pid_n,
-                   stride_am, stride_we, stride_wn, stride_ym, INTER, HIDDEN,
-                   BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, TMA_A, TMA_W, DOT_PRECISION)  # fmt: skip
-    elif live <= TAIL_M:
-        _down_tile(act_tail, w2, y_ptr, order_ptr, expert, row0, live, pid_n,
-                   stride_am, stride_we, stride_wn, stride_ym, INTER, HIDDEN,
-                   TAIL_M, BLOCK_N, BLOCK_K, UPCAST, TMA_A, TMA_W, DOT_PRECISION)  # fmt: skip
-    else:
-        _down_tile(act, w2, y_ptr, order_ptr, expert, row0, live, pid_n,
-                   stride_am, stride_we, stride_wn, stride_ym, INTER, HIDDEN,
-                   BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, TMA_A, TMA_W, DOT_PRECISION)  # fmt: skip
-
-
-@device_fn
-def _down_tile(
-    act, w2, y_ptr, order_ptr, expert, row0, live, pid_n,
-    stride_am, stride_we, stride_wn, stride_ym,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """down's [BLOCK_M, BLOCK_N] output tile (rows as in _gate_up_tile)."""
     rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = tl.arange(0, BLOCK_M) < live
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -514,17 +450,14 @@ def _gate_up_launch(x: torch.Tensor, w13: torch.Tensor, s: _Scratch, top_k: int,
                          dict(TOP_K=top_k, HIDDEN=hidden, BLOCK_R=8, BLOCK_D=block_d,
                               num_warps=4)))  # fmt: skip
         x_arg = _desc(s.xs, num_pairs, s.xs.stride(0), [c["block_m"], c["block_k"]])
-        x_tail = x_arg
-        if c["tail_m"]:
-            x_tail = _desc(s.xs, num_pairs, s.xs.stride(0), [c["tail_m"], c["block_k"]])
     else:
-        x_arg = x_tail = x
-    args = (x_arg, x_tail, w_arg, s.act, s.order, s.counts,
+        x_arg = x
+    args = (x_arg, w_arg, s.act, s.order, s.counts,
             x.stride(0), w13.stride(0), w13.stride(1), s.act.stride(0), group_m)  # fmt: skip
     kwargs = dict(
         INTER=inter, HIDDEN=hidden, TOP_K=top_k, NUM_EXPERTS=num_experts,
         E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=c["block_m"],
-        TAIL_M=c["tail_m"], BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], UPCAST=_interpreting(),
+        BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], UPCAST=_interpreting(),
         TMA_A=tma_a, TMA_W=tma_w, num_warps=c["num_warps"], num_stages=c["num_stages"],
         DOT_PRECISION=dot_precision(w13.dtype),
     )  # fmt: skip
@@ -538,19 +471,17 @@ def _down_launch(w2: torch.Tensor, s: _Scratch, c: dict[str, int]) -> list[Launc
     grid, group_m = _grid(num_pairs, num_experts, hidden, c)
     tma_w = c["tma"] >= TMA_W and _w_desc_ok(w2)
     tma_a = c["tma"] >= TMA_AW and _tma_ok(s.act, num_pairs, s.act.stride(0))
-    w_arg, a_arg, a_tail = w2, s.act, s.act
+    w_arg, a_arg = w2, s.act
     if tma_w:
         w_arg = _desc(w2, num_experts * hidden, w2.stride(1), [c["block_n"], c["block_k"]])
     if tma_a:
-        a_arg = a_tail = _desc(s.act, num_pairs, s.act.stride(0), [c["block_m"], c["block_k"]])
-        if c["tail_m"]:
-            a_tail = _desc(s.act, num_pairs, s.act.stride(0), [c["tail_m"], c["block_k"]])
-    args = (a_arg, a_tail, w_arg, s.y, s.order, s.counts,
+        a_arg = _desc(s.act, num_pairs, s.act.stride(0), [c["block_m"], c["block_k"]])
+    args = (a_arg, w_arg, s.y, s.order, s.counts,
             s.act.stride(0), w2.stride(0), w2.stride(1), s.y.stride(0), group_m)  # fmt: skip
     kwargs = dict(
         INTER=inter, HIDDEN=hidden, NUM_EXPERTS=num_experts,
         E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=c["block_m"],
-        TAIL_M=c["tail_m"], BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], UPCAST=_interpreting(),
+        BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], UPCAST=_interpreting(),
         TMA_A=tma_a, TMA_W=tma_w, num_warps=c["num_warps"], num_stages=c["num_stages"],
         DOT_PRECISION=dot_precision(w2.dtype),
     )  # fmt: skip
