@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 
 from kernels import mla as mla_ref
+from models import rotary
 from models.context import ForwardContext
 from models.layers import (
     ColumnParallelLinear,
@@ -54,60 +54,17 @@ SUPPORTED_ROPE_TYPES = ("default", "yarn")
 # ----------------------------------------------------------------------------- rotary
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction for a context stretched `factor` times."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rope_frequencies(
     params: dict[str, Any], rope_dim: int, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rope_dim // 2] fp32, attention_factor) as HF computes them.
-
-    attention_factor multiplies cos and sin (so both q and k): YaRN's
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim), 1.0 by default.
-    """
-    base = float(params["rope_theta"])
-    exponents = torch.arange(0, rope_dim, 2, dtype=torch.int64, device="cpu").float() / rope_dim
-    pos_freqs = base**exponents
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        return 1.0 / pos_freqs, 1.0
-    if rope_type != "yarn":
+    """(inv_freq [rope_dim // 2] fp32, attention_factor) as HF computes them
+    (models/rotary.py); DeepSeek checkpoints use the default rope or YaRN."""
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"rope type {rope_type!r} is not supported for DeepSeek models; supported types "
-            f"are {list(SUPPORTED_ROPE_TYPES)}"
+            f"rope type {params['rope_type']!r} is not supported for DeepSeek models; "
+            f"supported types are {list(SUPPORTED_ROPE_TYPES)}"
         )
-    original = params.get("original_max_position_embeddings") or max_position_embeddings
-    factor = params.get("factor") or max_position_embeddings / original
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _yarn_mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def correction_dim(num_rotations: float) -> float:
-        # The rotary dim whose wavelength fits `num_rotations` times in the
-        # original context.
-        return rope_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rope_dim - 1)
-    if low == high:
-        high += 0.001  # a ramp of width zero would divide by zero
-    steps = torch.arange(rope_dim // 2, dtype=torch.float32, device="cpu")
-    ramp = ((steps - low) / (high - low)).clamp(0, 1)
-    # Fast-rotating dims (ramp 0) keep their frequency, slow ones (ramp 1) are
-    # interpolated by `factor`, the band between blends linearly.
-    extrapolate = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-    return inv_freq, float(attention_factor)
+    return rotary.rope_frequencies(rope_dim, params, max_position_embeddings)
 
 
 def mla_softmax_scale(params: dict[str, Any], qk_head_dim: int) -> float:
@@ -115,7 +72,7 @@ def mla_softmax_scale(params: dict[str, Any], qk_head_dim: int) -> float:
     (DeepSeek's choice: the logits grow with the stretched context)."""
     scale = qk_head_dim**-0.5
     if params["rope_type"] != "default" and params.get("mscale_all_dim"):
-        mscale = _yarn_mscale(params["factor"], params["mscale_all_dim"])
+        mscale = rotary.yarn_mscale(params["factor"], params["mscale_all_dim"])
         scale = scale * mscale * mscale
     return scale
 

@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE) in the "neox" / rotate-half layout that HF
-Llama, Qwen2 and Qwen3 use, plus the parsing of a config.json's rope settings.
+Llama, Qwen2 and Qwen3 use, plus the parsing of a config.json's rope settings
+and the frequencies of every rope type (shared with DeepSeek's MLA rotary).
 
 Owns the cos/sin cache: computed once on the host in fp32 at construction, for
 every position up to max_position_embeddings, so a forward step only gathers
@@ -22,7 +23,7 @@ from torch import nn
 
 from kernels.rope_cache import gather_cos_sin, rotate_neox
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -51,23 +52,71 @@ def get_rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _inv_freq(rot_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies [rot_dim // 2], fp32, computed exactly as HF does so
-    that cos/sin match bit for bit."""
+def rope_frequencies(
+    rot_dim: int, params: dict[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rot_dim // 2] fp32, attention_factor), computed exactly as HF
+    does so that cos/sin match bit for bit; attention_factor multiplies cos
+    and sin (1.0 except under YaRN)."""
     base = params["rope_theta"]
     exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim
     inv_freq = 1.0 / (base**exponents)
     rope_type = params["rope_type"]
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / params["factor"]
+        return inv_freq / params["factor"], 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, params)
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        return _yarn(base**exponents, rot_dim, params, max_position_embeddings)
     raise ValueError(
         f"rope type {rope_type!r} is not supported; supported types are "
         f"{list(SUPPORTED_ROPE_TYPES)} (set in config.json rope_parameters/rope_scaling)"
     )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(pos_freqs: torch.Tensor, rot_dim: int, params: dict[str, Any],
+          max_position_embeddings: int) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """YaRN (HF's _compute_yarn_parameters): dims that rotate many times in
+    the original context keep their frequency, slow ones are interpolated by
+    `factor`, the band between blends linearly; cos/sin are scaled by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (DeepSeek) or
+    mscale(factor), unless attention_factor is given."""
+    base = params["rope_theta"]
+    original = params.get("original_max_position_embeddings") or max_position_embeddings
+    factor = params.get("factor") or max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # The rotary dim whose wavelength fits `num_rotations` times in the
+        # original context.
+        return rot_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of width zero would divide by zero
+    steps = torch.arange(rot_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((steps - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -115,12 +164,13 @@ class RotaryEmbedding(nn.Module):
             )
         self.max_position_embeddings = max_position_embeddings
 
-        inv_freq = _inv_freq(self.rot_dim, rope_parameters)
+        inv_freq, attention_factor = rope_frequencies(
+            self.rot_dim, rope_parameters, max_position_embeddings
+        )
         positions = torch.arange(max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq)  # [P, rot_dim // 2]
-        # HF scales cos/sin by an attention factor; it is 1.0 for the rope
-        # types supported here.
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        # As HF: cos/sin times the attention factor (YaRN's), in fp32.
+        cache = torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], -1)
         self.register_buffer(
             "cos_sin_cache",
             cache.to(device=torch.get_default_device(), dtype=torch.get_default_dtype()),

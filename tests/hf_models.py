@@ -27,6 +27,16 @@ LLAMA3_ROPE: dict[str, Any] = {
     "original_max_position_embeddings": 64,
 }
 
+# YaRN (Qwen's long-context setting): a 4x stretch of a 128-token original
+# context, so the tiny model's dims span the kept, blended and interpolated
+# bands, and cos/sin carry the 1.14 attention factor.
+YARN_ROPE: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+
 _TINY: dict[str, Any] = dict(
     hidden_size=64,
     num_hidden_layers=4,
@@ -49,6 +59,7 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-rope-llama3": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "qwen2-tied": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "qwen3-rope-yarn": ("qwen3", {"rope_parameters": YARN_ROPE}),
 }
 
 

@@ -10,7 +10,7 @@ import torch
 from models.layers import QKVParallelLinear, RMSNorm, packed_weight_loader
 from models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from models.rotary import RotaryEmbedding, get_rope_parameters
-from tests.hf_models import LLAMA3_ROPE
+from tests.hf_models import LLAMA3_ROPE, YARN_ROPE
 
 TINY = dict(
     architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
@@ -38,13 +38,17 @@ def test_rope_parameters_from_both_config_spellings() -> None:
 
 
 def test_rope_rejects_what_it_cannot_do() -> None:
-    with pytest.raises(ValueError, match="'yarn' is not supported"):
-        RotaryEmbedding(16, 32, get_rope_parameters({"rope_parameters": {"rope_type": "yarn"}}))
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        RotaryEmbedding(16, 32, get_rope_parameters({"rope_parameters": {"rope_type": "dynamic"}}))
     with pytest.raises(ValueError, match="nested"):
         get_rope_parameters({"rope_parameters": {"full_attention": {"rope_type": "default"}}})
 
 
-@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE], ids=["default", "llama3"])
+YARN_ROPE_BETAS = {**YARN_ROPE, "beta_fast": 16, "beta_slow": 2, "truncate": False}
+
+
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE, YARN_ROPE, YARN_ROPE_BETAS],
+                         ids=["default", "llama3", "yarn", "yarn-betas"])  # fmt: skip
 def test_rope_cache_matches_hf(rope: dict | None) -> None:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
