@@ -95,7 +95,6 @@ class DeepseekArgs:
         self.rope_parameters = get_rope_parameters(c)
         self.rope_interleaved = bool(c.get("rope_interleave", True)) if is_v3 else True
         self.first_k_dense_replace: int = get("first_k_dense_replace") or 0
-        self.moe_layer_freq: int = c.get("moe_layer_freq") or 1
         num_experts = get("n_routed_experts")
         self.moe: MoEConfig | None = None
         if num_experts:
@@ -122,11 +121,10 @@ class DeepseekArgs:
             raise ValueError(f"hidden_act={act!r} is not supported; DeepSeek uses 'silu'")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return (
-            self.moe is not None
-            and layer_idx >= self.first_k_dense_replace
-            and layer_idx % self.moe_layer_freq == 0
-        )
+        # Every layer from first_k_dense_replace on, as HF transformers builds
+        # it: HF ignores config.json's moe_layer_freq (DeepSeek's own remote
+        # code skipped layers i % freq != 0; every released config has 1).
+        return self.moe is not None and layer_idx >= self.first_k_dense_replace
 
 
 class DeepseekDecoderLayer(nn.Module):

@@ -64,6 +64,16 @@ def test_no_shared_experts_matches_hf(tmp_path):
     torch.testing.assert_close(torch.cat(got), hf_logits(path, ids), atol=TOL, rtol=0)
 
 
+def test_moe_layer_freq_is_ignored_as_hf_does(tmp_path):
+    """moe_layer_freq = 2: HF still builds (and saves) experts in every layer
+    from first_k_dense_replace on; the model loads them all and matches."""
+    path = make_tiny_deepseek("v3", tmp_path, num_hidden_layers=3, moe_layer_freq=2)
+    ids = _tokens(12, 6)
+    harness = PagedHarness(load_tiny(path), block_size=8, num_blocks=8)
+    got = [harness.step({0: ids[:9]})[0]] + [harness.step({0: [t]})[0] for t in ids[9:]]
+    torch.testing.assert_close(torch.cat(got), hf_logits(path, ids), atol=TOL, rtol=0)
+
+
 def test_mixed_batch_with_padding(tiny):
     """One step holding a decode row, a prompt and a chunk after a prefix
     (out of order), plus padding rows: each row must still match HF."""

@@ -178,10 +178,8 @@ def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
 
 
 def _is_moe_layer(config: dict[str, Any], i: int) -> bool:
-    return bool(config.get("n_routed_experts")) and (
-        i >= (config.get("first_k_dense_replace") or 0)
-        and i % (config.get("moe_layer_freq") or 1) == 0
-    )
+    # As models/deepseek.py (and HF): moe_layer_freq is not consulted.
+    return bool(config.get("n_routed_experts")) and i >= (config.get("first_k_dense_replace") or 0)
 
 
 def plan_tensors(config: dict[str, Any]) -> list[TensorSpec]:
