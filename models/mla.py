@@ -77,7 +77,7 @@ def mla_softmax_scale(params: dict[str, Any], qk_head_dim: int) -> float:
     return scale
 
 
-class DeepseekRotaryEmbedding(nn.Module):
+class DeepseekRotaryEmbedding(rotary.RopeCache):
     """RoPE on the rope part of q and k: x [T, H, R] -> rotated [T, H, R].
 
     Pairs are (x[2i], x[2i+1]) when `interleaved` (DeepSeek's checkpoints;
@@ -103,14 +103,7 @@ class DeepseekRotaryEmbedding(nn.Module):
         self.rope_dim = rope_dim
         self.interleaved = interleaved
         inv_freq, attention_factor = rope_frequencies(params, rope_dim, max_position_embeddings)
-        positions = torch.arange(max_position_embeddings, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(positions, inv_freq)
-        cache = torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], -1)
-        self.register_buffer(
-            "cos_sin_cache",
-            cache.to(device=torch.get_default_device(), dtype=torch.float32),
-            persistent=False,
-        )
+        self._init_cache(inv_freq, attention_factor, max_position_embeddings, torch.float32)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)

@@ -137,13 +137,43 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, blended, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RopeCache(nn.Module):
+    """Owns a rotary module's cos/sin cache: a non-persistent buffer (never in
+    a checkpoint) of [cos | sin] * attention_factor per position, computed on
+    the host in fp32 for positions [0, max_position_embeddings).
+    `cover_positions(n)` extends it when the engine serves longer sequences
+    (max_model_len past max_position_embeddings,
+    TINYENGINE_ALLOW_LONG_MAX_MODEL_LEN): RoPE is defined at every position
+    and HF computes it on the fly, so the extension is what HF would use."""
+
+    def _init_cache(self, inv_freq: torch.Tensor, attention_factor: float, num_positions: int,
+                    dtype: torch.dtype) -> None:  # fmt: skip
+        self._inv_freq, self._attention_factor = inv_freq, attention_factor
+        cache = self._cos_sin(num_positions)
+        self.register_buffer(
+            "cos_sin_cache", cache.to(device=torch.get_default_device(), dtype=dtype),
+            persistent=False,
+        )  # fmt: skip
+
+    def _cos_sin(self, num_positions: int) -> torch.Tensor:
+        positions = torch.arange(num_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, self._inv_freq)  # [P, rot_dim // 2]
+        # As HF: cos/sin times the attention factor (YaRN's), in fp32.
+        factor = self._attention_factor
+        return torch.cat([freqs.cos() * factor, freqs.sin() * factor], -1)
+
+    def cover_positions(self, num_positions: int) -> None:
+        old = self.cos_sin_cache
+        if num_positions > old.shape[0]:
+            self.cos_sin_cache = self._cos_sin(num_positions).to(device=old.device, dtype=old.dtype)
+
+
+class RotaryEmbedding(RopeCache):
     """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at the given positions.
 
-    The cache is a non-persistent buffer (never in a checkpoint) holding
-    [cos | sin] per position, [max_position, rot_dim]. It follows the model's
-    dtype when the model is cast: HF also rounds cos/sin to the activation
-    dtype before multiplying, so results match HF in bf16 as well.
+    The cache ([max_position, rot_dim], RopeCache) follows the model's dtype
+    when the model is cast: HF also rounds cos/sin to the activation dtype
+    before multiplying, so results match HF in bf16 as well.
     """
 
     def __init__(
@@ -163,18 +193,11 @@ class RotaryEmbedding(nn.Module):
                 f"rotary_dim={self.rot_dim} must be even and in (0, head_dim={head_dim}]"
             )
         self.max_position_embeddings = max_position_embeddings
-
         inv_freq, attention_factor = rope_frequencies(
             self.rot_dim, rope_parameters, max_position_embeddings
         )
-        positions = torch.arange(max_position_embeddings, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(positions, inv_freq)  # [P, rot_dim // 2]
-        # As HF: cos/sin times the attention factor (YaRN's), in fp32.
-        cache = torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], -1)
-        self.register_buffer(
-            "cos_sin_cache",
-            cache.to(device=torch.get_default_device(), dtype=torch.get_default_dtype()),
-            persistent=False,
+        self._init_cache(
+            inv_freq, attention_factor, max_position_embeddings, torch.get_default_dtype()
         )
 
     def forward(

@@ -31,3 +31,28 @@ def test_vllm_options_other_values_are_errors(kwargs, words):
 def test_unknown_options_are_named():
     with pytest.raises(TypeError, match=r"unknown engine option\(s\) \['swap_spaces'\]"):
         EngineConfig.from_kwargs("m", swap_spaces=4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek"])
+def test_max_model_len_past_the_model_positions(tmp_path, monkeypatch, arch):
+    """TINYENGINE_ALLOW_LONG_MAX_MODEL_LEN (vLLM's escape hatch): sequences
+    may run past max_position_embeddings; the rope caches are extended to
+    max_model_len (HF computes RoPE at any position), so tokens there still
+    equal HF's instead of indexing past the cache."""
+    from tests.hf_deepseek import make_tiny_deepseek
+    from tests.hf_models import hf_greedy, make_tiny_hf_model
+    from tinyengine import LLM, SamplingParams
+
+    if arch == "llama":
+        path = make_tiny_hf_model("llama", tmp_path, max_position_embeddings=32)
+    else:
+        path = make_tiny_deepseek("v2-lite", tmp_path, max_position_embeddings=32)
+    prompt = list(range(3, 31))  # 28 tokens; 12 more run to position 39 > 32
+    with pytest.raises(ValueError, match="max_position_embeddings=32"):
+        LLM(str(path), max_model_len=48, print_startup_report=False)
+    monkeypatch.setenv("TINYENGINE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(str(path), max_model_len=48, print_startup_report=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    ref, _ = hf_greedy(path, [prompt], 12)
+    assert out.outputs[0].token_ids == ref[0]

@@ -26,6 +26,7 @@ import kernels
 from kernels.workspace import Workspace
 from models.context import AttentionMetadata, ForwardContext
 from models.loader import load_model
+from models.rotary import RopeCache
 from tinyengine.config import EngineConfig
 from tinyengine.scheduling.scheduler import SchedulerOutput
 from tinyengine.worker.block_table import HostBlockTable
@@ -95,6 +96,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.hf_config, self.dtype, self.device)
+        for module in self.model.modules():  # max_model_len may pass the model's positions
+            if isinstance(module, RopeCache):
+                module.cover_positions(self.max_model_len)
 
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.model.kv_cache_spec(), self.block_size, self.dtype)
