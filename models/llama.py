@@ -83,8 +83,17 @@ class LlamaArgs:
             raise ValueError(f"hidden_act={act!r} is not supported; the Llama family uses 'silu'")
         if float(self.rope_parameters.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported for the Llama family")
-        layer_types = (c.get("layer_types") or [])[: self.num_hidden_layers]
-        if c.get("use_sliding_window") or "sliding_attention" in layer_types:
+        layer_types = c.get("layer_types")
+        if not layer_types:  # an older config.json: derived as transformers does
+            # (Qwen2: layers from max_window_layers on slide; 28 is its default)
+            first = c.get("max_window_layers", 28) if c.get("use_sliding_window") else None
+            layer_types = [
+                "sliding_attention" if first is not None and i >= first else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        # use_sliding_window with max_window_layers >= the layer count slides
+        # nowhere: such a model is plain full attention, as in HF.
+        if "sliding_attention" in layer_types[: self.num_hidden_layers]:
             raise ValueError(
                 "sliding-window attention is not supported; set use_sliding_window=false "
                 "(and no 'sliding_attention' in layer_types) in config.json or hf_overrides"

@@ -110,7 +110,13 @@ def test_model_api_shapes() -> None:
 
 def test_unsupported_configs_are_rejected() -> None:
     with pytest.raises(ValueError, match="sliding-window"):
-        Qwen2ForCausalLM({**TINY, "use_sliding_window": True})
+        Qwen2ForCausalLM({**TINY, "use_sliding_window": True, "max_window_layers": 1})
+    with pytest.raises(ValueError, match="sliding-window"):
+        Qwen2ForCausalLM({**TINY, "layer_types": ["full_attention", "sliding_attention"]})
+    # Sliding from layer max_window_layers >= the layer count: nowhere (HF's
+    # layer_types are all full_attention), so the model is accepted.
+    Qwen2ForCausalLM({**TINY, "use_sliding_window": True, "max_window_layers": 2})
+    Qwen2ForCausalLM({**TINY, "use_sliding_window": True})  # Qwen2Config's default: 28
     with pytest.raises(ValueError, match="multiple of"):
         LlamaForCausalLM({**TINY, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="hidden_act"):
