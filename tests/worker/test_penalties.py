@@ -67,7 +67,7 @@ def test_penalize_matches_the_definition_and_leaves_other_rows():
         penalize(logits, params, [None] * 4, _to_device)
 
 
-def test_logit_bias_adds_after_the_penalties_and_needs_no_history():
+def test_logit_bias_adds_before_the_penalties_and_needs_no_history():
     logits = torch.randn(3, VOCAB)
     params = [
         SamplingParams(logit_bias={3: 5.0, 7: -100.0}),  # bias only: no history
@@ -79,9 +79,17 @@ def test_logit_bias_adds_after_the_penalties_and_needs_no_history():
     want = logits.clone()
     want[0, 3] += 5.0
     want[0, 7] -= 100.0
-    want[2] = _reference(logits[2], [1, 2], [], params[2])
-    want[2, 1] += 1.5
+    biased = logits[2].clone()
+    biased[1] += 1.5  # then token 1 (in the prompt) is repetition-penalized
+    want[2] = _reference(biased, [1, 2], [], params[2])
     torch.testing.assert_close(got, want)
+    # HF's order: SequenceBiasLogitsProcessor, then the repetition penalty.
+    from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    ids = torch.tensor([[1, 2]])
+    hf = SequenceBiasLogitsProcessor({(1,): 1.5})(ids, logits[2:3].clone())
+    hf = RepetitionPenaltyLogitsProcessor(2.0)(ids, hf)
+    torch.testing.assert_close(got[2:3], hf)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])

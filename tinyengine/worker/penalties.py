@@ -9,7 +9,10 @@ the raw logits of a row, before temperature and filters:
     positive, multiplied by r when not, so r > 1 makes repeats less likely;
   * frequency_penalty f: logit -= f * (times the token is in the output);
   * presence_penalty p: logit -= p * (1 if the token is in the output);
-  * logit_bias {token: b} (OpenAI's): logit += b, after the penalties.
+  * logit_bias {token: b} (OpenAI's): logit += b, *before* the penalties,
+    the order of vLLM (its logit-bias processor runs ahead of the penalties)
+    and of HF (SequenceBiasLogitsProcessor ahead of the repetition penalty):
+    a biased token already seen has its biased logit divided by r.
 
 Why the history lives on the device. With asynchronous scheduling the engine
 launches step N+1 before step N's token reaches the host, so a history built
@@ -73,6 +76,11 @@ def penalize(
     )
     rep, freq, pres = table[:, 0:1], table[:, 1:2], table[:, 2:3]
     x = logits.index_select(0, index).float()
+    bias = [(j, t, v) for j, i in enumerate(rows) for t, v in (params[i].logit_bias or {}).items()]
+    if bias:
+        where = to_device([[j for j, _, _ in bias], [t for _, t, _ in bias]], torch.long)
+        values = to_device([v for _, _, v in bias], torch.float32)
+        x = x.index_put((where[0], where[1]), values, accumulate=True)
     if any(params[i].has_penalties for i in rows):
         # A row with only a logit bias has no history: zeros change nothing
         # there (rep = 1, freq = pres = 0).
@@ -84,11 +92,6 @@ def penalize(
         in_output = counts > 0
         x = torch.where(in_prompt | in_output, torch.where(x > 0, x / rep, x * rep), x)
         x = x - freq * counts - pres * in_output
-    bias = [(j, t, v) for j, i in enumerate(rows) for t, v in (params[i].logit_bias or {}).items()]
-    if bias:
-        where = to_device([[j for j, _, _ in bias], [t for _, t, _ in bias]], torch.long)
-        values = to_device([v for _, _, v in bias], torch.float32)
-        x = x.index_put((where[0], where[1]), values, accumulate=True)
     return logits.index_put((index,), x.to(logits.dtype))
 
 
