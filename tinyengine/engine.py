@@ -44,6 +44,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are on
     # Per prompt token (entry 0, the first token's, is None); filled as the
     # prompt's chunks are computed (worker/prompt_logprobs.py).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -307,7 +308,10 @@ class LLMEngine:
             if state is None or state.request is not sched.request or state.request.is_finished:
                 continue  # aborted (its id maybe reused since), or finished earlier: dropped
             if state.logprobs is not None and sampled is not None:
-                state.logprobs.append(self._logprobs(sampled.logprobs[row - 1]))
+                entry = self._logprobs(sampled.logprobs[row - 1])
+                state.logprobs.append(entry)
+                if token_id in entry:
+                    state.cumulative_logprob += entry[token_id].logprob
             self._process_token(state, token_id)
             if state.final_only and not state.request.is_finished:
                 continue  # nobody reads the intermediate outputs of this request
@@ -317,12 +321,17 @@ class LLMEngine:
     def _process_token(self, state: _RequestState, token_id: int) -> None:
         request = state.request
         status = request.check_token_stop()
+        params = request.sampling_params
+        # A stop token (EOS or stop_token_ids) ends the ids but not the text,
+        # unless include_stop_str_in_output (vLLM's rule).
+        hide_last = (
+            status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
+        )
         if state.detokenizer is not None:
-            delta = state.detokenizer.step(token_id)
+            delta = "" if hide_last else state.detokenizer.step(token_id)
             if status is not None:
                 delta += state.detokenizer.flush()  # release a trailing partial character
             state.text += delta
-            params = request.sampling_params
             if params.stop and request.num_output_tokens >= params.min_tokens:
                 hit = find_stop_string(state.text, params.stop, len(delta))
                 if hit is not None:
@@ -334,9 +343,8 @@ class LLMEngine:
         elif status is not None and self.tokenizer is not None:
             # FINAL_ONLY without stop strings: one decode at the end gives the
             # text the incremental detokenizer would have built token by token.
-            state.text = self.tokenizer.decode(
-                request.output_token_ids, request.sampling_params.skip_special_tokens
-            )
+            ids = request.output_token_ids[:-1] if hide_last else request.output_token_ids
+            state.text = self.tokenizer.decode(ids, params.skip_special_tokens)
         if status is not None:
             self.scheduler.finish(request, status)
             self.runner.free_request(request.request_id)
@@ -359,6 +367,7 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             stop_reason=request.stop_reason,
+            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
         )
         return RequestOutput(
             request_id=request.request_id,

@@ -70,9 +70,23 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+# vLLM's request extras that change what is generated and that tinyengine
+# does not implement: refused with a 400 naming the field, not dropped like
+# other unknown fields (a client relying on one would get unconstrained text).
+UNSUPPORTED_EXTRAS = (
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "allowed_token_ids", "bad_words", "logits_processors", "use_beam_search",
+    "truncate_prompt_tokens", "prompt_logprobs", "chat_template", "continue_final_message",
+    "return_tokens_as_token_ids",
+)  # fmt: skip
+
+
 class _SamplingRequest(Strict):
     """Fields both endpoints share."""
 
+    # Unknown fields are kept (model_extra) so check_supported can refuse the
+    # UNSUPPORTED_EXTRAS; the rest are ignored.
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
@@ -103,6 +117,9 @@ class _SamplingRequest(Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
+        for name in UNSUPPORTED_EXTRAS:
+            if (self.model_extra or {}).get(name) is not None:
+                raise bad_request(f"{name} is not supported by tinyengine", name)
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise bad_request(
                 f"response_format {self.response_format.get('type')!r} is not supported: "

@@ -30,6 +30,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     logprobs: SampleLogprobs | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    # Sum of the sampled tokens' logprobs; None unless logprobs were requested
+    # (vLLM's rule: they are only computed then).
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -119,3 +119,35 @@ def test_strict_max_tokens_refuses_what_the_default_cuts(llm):
                        use_tqdm=False)[0]  # fmt: skip
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 128  # max_model_len
     assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY])
+def test_stop_token_text_is_dropped_unless_asked_for(llm, kind):
+    """vLLM's rule: a stop token id ends the token ids, its text is left out
+    unless include_stop_str_in_output; a stop token that is also the last
+    allowed one is "stop", not "length"."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=kind)
+    free = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    stop = free.token_ids[2]
+    for include in (False, True):
+        params = dataclasses.replace(greedy, stop_token_ids=[stop],
+                                     include_stop_str_in_output=include)  # fmt: skip
+        out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+        kept = free.token_ids[: 3 if include else 2]
+        assert out.token_ids == free.token_ids[:3]
+        assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+        assert out.text == tok.decode(kept)
+    last = dataclasses.replace(greedy, max_tokens=3, stop_token_ids=[stop])
+    out = llm.generate(PROMPTS[0], last, use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_cumulative_logprob(llm):
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=5, logprobs=1)
+    out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    want = sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    assert out.cumulative_logprob == pytest.approx(want) and out.cumulative_logprob < 0
+    plain = llm.generate(PROMPTS[1], dataclasses.replace(params, logprobs=None),
+                         use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert plain.cumulative_logprob is None

@@ -508,6 +508,15 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
     ("completions", {"prompt": "hi", "logit_bias": {"3": 200}}, 400, "logit_bias", "[-100"),
     ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias", "vocab"),
+    ("completions", {"prompt": "hi", "guided_choice": ["a"]}, 400, "guided_choice", "not supp"),
+    ("completions", {"prompt": "hi", "allowed_token_ids": [5]}, 400, "allowed_token_ids", "not"),
+    (
+        "chat/completions",
+        {"messages": QUESTION, "structured_outputs": {"choice": ["a"]}},
+        400,
+        "structured_outputs",
+        "not supported",
+    ),  # fmt: skip
     ("chat/completions", {"messages": []}, 400, "messages", "non-empty"),
     ("chat/completions", {"messages": "hello"}, 400, "messages", "array"),
     ("chat/completions", {"messages": QUESTION, "n": 500}, 400, "n", "less than"),
@@ -620,6 +629,10 @@ def test_health_models_and_metrics(client, model_name):
     assert h.status_code == 200
     assert h.json()["status"] == "ready"
     assert set(h.json()["stage_seconds"]) >= {"load", "profile", "size_kv", "warmup", "lock"}
+    for method in ("GET", "POST"):  # vLLM's /ping: /health under another name
+        ping = client.request(method, "/ping")
+        assert ping.status_code == 200 and ping.json()["status"] == "ready"
+    assert client.get("/version").json()["version"]
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == model_name
     # A prompt longer than one KV block, twice: the second hits the prefix cache.

@@ -14,6 +14,7 @@ error escape as an HTML or `{"detail": ...}` body.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -60,6 +61,13 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
         h = engine.health()
         return JSONResponse(h.as_dict(), status_code=200 if h.ready else 503)
 
+    # vLLM's liveness aliases (load balancers probe them): /ping is /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _package_version()}
+
     protected = APIRouter(dependencies=[Depends(require_api_key)])
 
     def model_card() -> dict[str, Any]:
@@ -91,6 +99,13 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
     app.include_router(generate_router, dependencies=[Depends(require_api_key)])
     app.include_router(tokenize_router, dependencies=[Depends(require_api_key)])
     return app
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("tinyengine")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
 
 
 async def require_api_key(request: Request) -> None:

@@ -110,17 +110,18 @@ class Request:
         """Stop conditions that depend on token ids only (stop *strings* need
         text and are checked by the engine's detokenizer)."""
         params = self.sampling_params
+        # A stop token wins over the length limit it may also reach (vLLM's
+        # order): the sequence did end there.
+        if self.num_output_tokens >= params.min_tokens:
+            last = self.output_token_ids[-1]
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None  # eos: OpenAI's plain "stop", no reason string
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if self.num_output_tokens < params.min_tokens:
-            return None
-        last = self.output_token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
-            self.stop_reason = None  # eos: OpenAI's plain "stop", no reason string
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            self.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
         return None
 
     def __repr__(self) -> str:
