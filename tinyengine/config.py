@@ -40,7 +40,7 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 1.0  # KV budget on CPU, where there is no allocator to profile
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    seed: int = 0
+    seed: int | None = 0  # the shared sampler's seed; None: a fresh random one (vLLM's)
     attention_backend: str = "auto"  # "auto": triton on CUDA, torch on CPU
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # Decode batch sizes to capture as CUDA graphs; None: 1, 2, 4, 8, then
@@ -115,10 +115,13 @@ class EngineConfig:
             raise bad("cpu_kv_cache_gib", "must be > 0")
         if self.graph_backend not in _GRAPH_BACKENDS:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
-        if not isinstance(self.profile_steps, bool):
-            raise bad("profile_steps", "must be True or False")
-        if not isinstance(self.async_scheduling, bool):
-            raise bad("async_scheduling", "must be True or False")
+        for name in ("enable_prefix_caching", "enforce_eager", "print_startup_report",
+                     "profile_steps", "async_scheduling"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):  # "false" would be truthy
+                raise bad(name, "must be True or False")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**64):  # fmt: skip
+            raise bad("seed", "must be an integer (torch's generator range) or None")
         if not isinstance(self.hf_overrides, dict):
             raise bad("hf_overrides", "must be a dict merged into config.json")
 

@@ -63,6 +63,28 @@ def test_bad_settings_fail_at_startup_naming_the_variable(env, words):
         ServerSettings.from_env(env)
 
 
+def test_unknown_variables_are_named_in_a_warning(caplog):
+    env = {"TINYENGINE_KV_CACHE_DTYPE": "fp8", "TINYENGINE_MAX_NUM_SEQ": "8",
+           "TINYENGINE_MAX_NUM_SEQS": "8", "TINYENGINE_CACHE": "/tmp/x"}  # fmt: skip
+    with caplog.at_level("WARNING", logger="tinyengine.server"):
+        settings = ServerSettings.from_env(env)
+    assert settings.engine_kwargs == {"max_num_seqs": 8}
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "TINYENGINE_KV_CACHE_DTYPE" in warned and "TINYENGINE_MAX_NUM_SEQ " in warned
+    assert "TINYENGINE_CACHE" not in warned and "MAX_NUM_SEQS" not in warned
+
+
+def test_engine_config_checks_bools_and_seed():
+    from tinyengine.config import EngineConfig
+
+    for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+        with pytest.raises(ValueError, match=f"EngineConfig.{name} must be True or False"):
+            EngineConfig.from_kwargs("m", **{name: "false"})
+    with pytest.raises(ValueError, match="EngineConfig.seed"):
+        EngineConfig.from_kwargs("m", seed="abc")
+    assert EngineConfig.from_kwargs("m", seed=None).seed is None  # vLLM's: a random seed
+
+
 def test_parse_option_optional_int():
     assert parse_option("X", "None", int | None) is None
     assert parse_option("X", " 12 ", int | None) == 12

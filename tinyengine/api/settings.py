@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import types
 import typing
@@ -29,6 +30,13 @@ from tinyengine.config import EngineConfig
 from tinyengine.models_presets import DEFAULT_MODEL, served_model_name
 
 ENV_PREFIX = "TINYENGINE_"
+# The server's own variables, and those other parts of tinyengine read.
+_SERVER_VARS = {ENV_PREFIX + n for n in ("MODEL", "SERVED_MODEL_NAME", "API_KEY",
+                                         "MAX_REQUEST_BYTES")}  # fmt: skip
+_OTHER_VARS = {ENV_PREFIX + n for n in ("CACHE", "BUILD_DEVICE", "ALLOW_LONG_MAX_MODEL_LEN",
+                                        "FUSED_SAMPLER", "SKINNY_GEMM")}  # fmt: skip
+
+logger = logging.getLogger("tinyengine.server")
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -55,6 +63,11 @@ class ServerSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerSettings:
         env = os.environ if environ is None else environ
+        known = {ENV_PREFIX + n.upper() for n in engine_option_types()} | _SERVER_VARS | _OTHER_VARS
+        for var in sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known):
+            # vLLM warns about unknown VLLM_* variables too: a typo or an
+            # option tinyengine lacks (e.g. ..._KV_CACHE_DTYPE) changes nothing.
+            logger.warning("%s is not a tinyengine setting; it is ignored", var)
         kwargs: dict[str, Any] = {}
         for name, tp in engine_option_types().items():
             raw = env.get(ENV_PREFIX + name.upper())

@@ -78,12 +78,16 @@ class Sampler:
     """Chooses next tokens for a batch of rows, each with its own SamplingParams."""
 
     def __init__(
-        self, device: torch.device | str, seed: int = 0, fused: bool | None = None
+        self, device: torch.device | str, seed: int | None = 0, fused: bool | None = None
     ) -> None:
         self.device = torch.device(device)
-        # Shared noise source for rows whose request has no seed.
+        # Shared noise source for rows whose request has no seed (seed None:
+        # a nondeterministic one).
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
         # The fused Triton draw (module docstring). None: on CUDA unless
         # TINYENGINE_FUSED_SAMPLER=0 (the torch draw, e.g. to compare). Tests
         # force it on CPU, where it runs under the Triton interpreter.
