@@ -62,9 +62,14 @@ class LLMEngine:
         config.resolve_max_model_len(hf_config)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
 
-        self.tokenizer: Tokenizer | None = load_tokenizer_if_present(
-            config.tokenizer or config.model
-        )
+        if config.tokenizer is not None:  # asked for: it must be there (vLLM fails too)
+            self.tokenizer: Tokenizer | None = load_tokenizer_if_present(config.tokenizer)
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"EngineConfig.tokenizer={config.tokenizer!r}: no tokenizer files there"
+                )
+        else:
+            self.tokenizer = load_tokenizer_if_present(config.model)
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids
             if self.tokenizer is not None

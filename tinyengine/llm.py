@@ -88,15 +88,26 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of
-        them) and generate."""
+        them) and generate; the keywords are vLLM's (and transformers'). Each
+        output's `prompt` is the rendered text."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                       tools=tools, **(chat_template_kwargs or {}))  # fmt: skip
         prompts: list[PromptType] = [
-            {"prompt_token_ids": tokenizer.apply_chat_template(c, tokenize=True)}
+            {
+                "prompt": tokenizer.apply_chat_template(c, **options),
+                "prompt_token_ids": tokenizer.apply_chat_template(c, tokenize=True, **options),
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -91,6 +91,12 @@ def test_llm_names_an_unknown_model():
         LLM("not-a-model", print_startup_report=False)
 
 
+def test_a_tokenizer_asked_for_must_exist(cache_dir, tmp_path):
+    path = ensure_preset("deepseek-v3-tiny", cache_dir)
+    with pytest.raises(ValueError, match="EngineConfig.tokenizer=.*no tokenizer files"):
+        LLM(path, tokenizer=str(tmp_path / "nowhere"), print_startup_report=False)
+
+
 def test_generate_with_n_returns_n_completions_per_prompt(llm):
     """LLM.generate fans n out: one RequestOutput per prompt whose completion
     i is what an n=1 request with seed + i gives; the engine itself refuses n
@@ -151,3 +157,15 @@ def test_cumulative_logprob(llm):
     plain = llm.generate(PROMPTS[1], dataclasses.replace(params, logprobs=None),
                          use_tqdm=False)[0].outputs[0]  # fmt: skip
     assert plain.cumulative_logprob is None
+
+
+def test_chat_reports_its_rendered_prompt_and_takes_vllms_keywords(llm):
+    tok = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    (out,) = llm.chat(conversation, params, use_tqdm=False)
+    assert out.prompt == tok.apply_chat_template(conversation)
+    assert out.prompt_token_ids == tok.apply_chat_template(conversation, tokenize=True)
+    (bare,) = llm.chat(conversation, params, use_tqdm=False, add_generation_prompt=False)
+    assert bare.prompt == tok.apply_chat_template(conversation, add_generation_prompt=False)
+    assert bare.prompt != out.prompt
