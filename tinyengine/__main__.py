@@ -52,7 +52,7 @@ def serve(args: argparse.Namespace) -> None:
             engine_kwargs[name] = value
     settings = dataclasses.replace(
         base,
-        model=args.model or base.model,
+        model=args.model or args.model_tag or base.model,
         engine_kwargs=engine_kwargs,
         served_model_name=args.served_model_name or base.served_model_name,
         api_key=args.api_key or base.api_key,
@@ -65,6 +65,8 @@ def _add_serve_parser(sub: Any) -> None:
     from tinyengine.api.settings import engine_option_types, parse_option
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    # `serve MODEL` (vLLM's form) or `serve --model MODEL`.
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="same as --model")
     p.add_argument(
         "--model",
         help="a model folder or a preset name: deepseek-v3-tiny (default), "
@@ -102,7 +104,7 @@ def _add_serve_parser(sub: Any) -> None:
     p.set_defaults(func=serve)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tinyengine")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
@@ -112,7 +114,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.set_defaults(func=demo)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
+    if getattr(args, "model_tag", None) and args.model and args.model != args.model_tag:
+        parser.error(f"serve: MODEL {args.model_tag!r} and --model {args.model!r} differ")
     args.func(args)
 
 

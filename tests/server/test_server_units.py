@@ -165,3 +165,12 @@ def test_metrics_render():
     assert 'tinyengine_time_per_output_token_seconds_bucket{le="0.1"} 1' in lines
     assert 'tinyengine_startup_stage_seconds{stage="load"} 1.5' in lines
     assert 'tinyengine_model_info{model="we\\"ird"} 1' in lines
+
+
+def test_serve_takes_the_model_positionally_as_vllm_serve_does():
+    from tinyengine.__main__ import build_parser
+
+    args = build_parser().parse_args(["serve", "smollm2-135m", "--port", "9"])
+    assert (args.model_tag, args.model, args.port) == ("smollm2-135m", None, 9)
+    args = build_parser().parse_args(["serve", "--model", "smollm2-135m"])
+    assert (args.model_tag, args.model) == (None, "smollm2-135m")
