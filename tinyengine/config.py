@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "triton")
 _GRAPH_BACKENDS = ("auto", "cuda", "recording", "none")
@@ -20,6 +21,9 @@ _GRAPH_BACKENDS = ("auto", "cuda", "recording", "none")
 
 _VLLM_FIXED = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
 _VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats"}
+# vLLM switches for behaviour tinyengine always has: True is taken, False
+# (asking it away) is an error.
+_VLLM_ALWAYS_ON = {"enable_chunked_prefill"}
 
 
 @dataclass
@@ -78,6 +82,11 @@ class EngineConfig:
         for name in _VLLM_NO_EFFECT & set(kwargs):
             if not isinstance(kwargs.pop(name), bool):
                 raise ValueError(f"{name} must be True or False")
+        for name in _VLLM_ALWAYS_ON & set(kwargs):
+            if kwargs.pop(name) is not True:
+                raise ValueError(f"{name}: tinyengine always has it on; only True is supported")
+        if kwargs.get("dtype") in _DTYPE_ALIASES:
+            kwargs["dtype"] = _DTYPE_ALIASES[kwargs["dtype"]]
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -13,6 +13,9 @@ def test_vllm_options_run_unchanged_at_their_one_meaningful_value():
         disable_log_stats=True, max_num_seqs=3,
     )  # fmt: skip
     assert config.model == "m" and config.max_num_seqs == 3
+    config = EngineConfig.from_kwargs("m", enable_chunked_prefill=True, dtype="half")
+    assert config.dtype == "float16"  # vLLM's aliases: half, float
+    assert EngineConfig.from_kwargs("m", dtype="float").dtype == "float32"
 
 
 @pytest.mark.parametrize(
@@ -21,6 +24,7 @@ def test_vllm_options_run_unchanged_at_their_one_meaningful_value():
         ({"tensor_parallel_size": 2}, "tensor_parallel_size: tinyengine runs on one device"),
         ({"pipeline_parallel_size": 4}, "pipeline_parallel_size"),
         ({"trust_remote_code": "yes"}, "trust_remote_code must be True or False"),
+        ({"enable_chunked_prefill": False}, "enable_chunked_prefill: tinyengine always"),
     ],
 )
 def test_vllm_options_other_values_are_errors(kwargs, words):
