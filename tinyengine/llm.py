@@ -103,12 +103,12 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                        tools=tools, **(chat_template_kwargs or {}))  # fmt: skip
+        texts = [tokenizer.apply_chat_template(c, **options) for c in conversations]
+        # Encoded as apply_chat_template(tokenize=True) does: the template
+        # already wrote any BOS.
         prompts: list[PromptType] = [
-            {
-                "prompt": tokenizer.apply_chat_template(c, **options),
-                "prompt_token_ids": tokenizer.apply_chat_template(c, tokenize=True, **options),
-            }
-            for c in conversations
+            {"prompt": t, "prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)}
+            for t in texts
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
