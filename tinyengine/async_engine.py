@@ -46,7 +46,12 @@ class EngineNotReadyError(RuntimeError):
 
 
 class RequestRejectedError(ValueError):
-    """add_request refused the request (bad input); the server answers 400."""
+    """add_request refused the request (bad input); the server answers 400,
+    naming `param` when the engine said which field was at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestFailedError(RuntimeError):
@@ -339,7 +344,11 @@ class AsyncLLMEngine:
             for request_id in added:
                 engine.abort_request(request_id)
                 del self._live[request_id]
-            error = RequestRejectedError(str(exc)) if isinstance(exc, ValueError) else exc
+            error = (
+                RequestRejectedError(str(exc), getattr(exc, "param", None))
+                if isinstance(exc, ValueError)
+                else exc
+            )
             if not isinstance(exc, ValueError):
                 logger.exception("add_request failed")
             self._outbox.append((stream, _Failure(error)))

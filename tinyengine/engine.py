@@ -35,6 +35,15 @@ from tinyengine.worker.startup import StartupMachine, StartupReport
 PromptType = str | dict[str, Any]
 
 
+class InvalidRequestError(ValueError):
+    """add_request's refusal of one request; `param` names the request field
+    at fault (the server's 400 reports it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class _RequestState:
     """What the engine keeps beside the scheduler's Request: text and logprobs."""
@@ -179,30 +188,34 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                f"{self.max_model_len}; it must leave room for at least one output token"
+                f"{self.max_model_len}; it must leave room for at least one output token",
+                "prompt",
             )
         bad = [t for t in token_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {self.runner.vocab_size})"
+                f"[0, {self.runner.vocab_size})",
+                "prompt",
             )
         outside = [t for t in params.logit_bias or {} if t >= self.runner.vocab_size]
         if outside:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"logit_bias token ids {outside[:5]} are outside the vocabulary "
-                f"[0, {self.runner.vocab_size})"
+                f"[0, {self.runner.vocab_size})",
+                "logit_bias",
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none")
         room = self.max_model_len - len(token_ids)
         if strict_max_tokens and params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "
                 f"length is {self.max_model_len} tokens and your request has {len(token_ids)} "
-                f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(token_ids)})"
+                f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(token_ids)})",
+                "max_tokens",
             )
         max_tokens = min(params.max_tokens or room, room)
         request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids)

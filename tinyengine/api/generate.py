@@ -154,7 +154,7 @@ async def _generate(
         await rs.accepted()
     except RequestRejectedError as e:
         watcher.cancel()
-        raise bad_request(str(e), _rejected_param(str(e))) from e
+        raise bad_request(str(e), e.param) from e
     except RequestAbortedError:
         return _client_gone()
     except BaseException:
@@ -195,13 +195,6 @@ async def _generate(
 def _client_gone() -> JSONResponse:
     # 499 (nginx's "client closed request"): nobody reads it, but logs show why.
     return JSONResponse(APIError(499, "client closed the request").body(), status_code=499)
-
-
-def _rejected_param(message: str) -> str | None:
-    """The request field an engine rejection is about, for the error's
-    "param": Engine.add_request's messages name it (the prompt's length or
-    ids, 'max_tokens' past the context, logit_bias ids past the vocabulary)."""
-    return next((f for f in ("max_tokens", "logit_bias", "prompt") if f in message), None)
 
 
 async def _abort_on_disconnect(request: Request, rs: RequestStream) -> None:
