@@ -71,9 +71,9 @@ START = time.time()
 
 
 def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
-          tma: int = 0) -> dict[str, int]:  # fmt: skip
+          tma: int = 0, tail_m: int = 0) -> dict[str, int]:  # fmt: skip
     return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                group_m=group_m, tma=tma)  # fmt: skip
+                group_m=group_m, tma=tma, tail_m=tail_m)  # fmt: skip
 
 
 def smem_bytes(gemm: str, c: dict[str, int]) -> int:
@@ -81,7 +81,8 @@ def smem_bytes(gemm: str, c: dict[str, int]) -> int:
     buffer; num_stages buffers where Hopper's wgmma runs (BLOCK_M >= 64),
     num_stages - 1 for mma.sync (as Triton 3.9 compiles them for sm_90)."""
     n_w = 2 if gemm == "gate_up" else 1  # gate_up loads a gate and an up tile
-    per_stage = c["block_m"] * c["block_k"] + n_w * c["block_k"] * c["block_n"]
+    rows = c["block_m"] + c["tail_m"]  # a tail's activation tile is loaded too
+    per_stage = rows * c["block_k"] + n_w * c["block_k"] * c["block_n"]
     bufs = c["num_stages"] if c["block_m"] >= 64 else c["num_stages"] - 1
     return bufs * per_stage * 2
 
@@ -115,6 +116,9 @@ def candidates(cls: int, gemm: str, heur: dict[str, int]) -> tuple[list[dict], l
         tma_bns = (128, 256)  # gate_up bn256 = 256 acc regs/thread: listed, pruned
         tiles += [_tile(128, bn, 64, 8, st, 8, tma) for tma in (1, 2) for bn in tma_bns
                   for st in (3, 4)]  # fmt: skip
+        # Tails (tail_m: an expert's last block also computes up to 64 rows
+        # past its 128, reusing the weight tiles): TMA activations only.
+        tiles += [_tile(128, bn, 64, 8, st, 8, 2, 64) for bn in tma_bns for st in (3, 4)]
         # 64-row TMA tiles: at ~128 rows per expert (T=4096) a 128-row tile
         # pads about half the experts to a second, nearly empty tile; 64-row
         # tiles halve that padding (more weight re-reads, from L2 when grouped).
@@ -136,19 +140,21 @@ def candidates(cls: int, gemm: str, heur: dict[str, int]) -> tuple[list[dict], l
 def tile_key(c: dict[str, int]) -> tuple[int, ...]:
     """What a compiled variant depends on (group_m is a runtime argument)."""
     return (c["block_m"], c["block_n"], c["block_k"], c["num_warps"], c["num_stages"],
-            c.get("tma", 0))  # fmt: skip
+            c["tma"], c["tail_m"])  # fmt: skip
 
 
 def fmt(c: dict[str, int]) -> str:
     return (f"bm{c['block_m']:<3} bn{c['block_n']:<3} bk{c['block_k']:<3} "
             f"w{c['num_warps']} s{c['num_stages']} g{c['group_m']:<2} "
-            f"{'tma' + str(c['tma']) if c.get('tma') else 'ptr '}")  # fmt: skip
+            f"{'tma' + str(c['tma']) if c['tma'] else 'ptr '}"
+            f"{' t' + str(c['tail_m']) if c['tail_m'] else ''}")  # fmt: skip
 
 
 def as_code(c: dict[str, int]) -> str:
     fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
-    tma = f", tma={c['tma']}" if c.get("tma") else ""
-    return f"_gemm({', '.join(str(c[f]) for f in fields)}{tma})"
+    tma = f", tma={c['tma']}" if c["tma"] else ""
+    tail = f", tail_m={c['tail_m']}" if c["tail_m"] else ""
+    return f"_gemm({', '.join(str(c[f]) for f in fields)}{tma}{tail})"
 
 
 # ----------------------------------------------------------------------------- dry run

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 GEMMS = ("gate_up", "down")
-_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "tma")
+_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "tma", "tail_m")
 # "tma": how a GEMM loads its operands (Hopper's tensor memory accelerator,
 # through host-built tensor descriptors, vs pointer loads / cp.async):
 TMA_OFF = 0  # both operands through pointers
@@ -21,9 +21,14 @@ TMA_AW = 2  # both through descriptors; gate_up first copies x into sorted-row
 TMA_MODES = (TMA_OFF, TMA_W, TMA_AW)
 
 
+# "tail_m": with TMA activation loads, an expert's last M-block also computes up
+# to tail_m rows past its block_m main rows, reusing each loaded weight tile
+# (kernels/triton_moe.py, "Tails"); 0 = off (every block is block_m rows).
+
+
 def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
-          tma: int = TMA_OFF) -> dict[str, int]:  # fmt: skip
-    return dict(zip(_FIELDS, (bm, bn, bk, warps, stages, group_m, tma), strict=True))
+          tma: int = TMA_OFF, tail_m: int = 0) -> dict[str, int]:  # fmt: skip
+    return dict(zip(_FIELDS, (bm, bn, bk, warps, stages, group_m, tma, tail_m), strict=True))
 
 
 # Size classes by the mean rows per expert, M / E (M = T*K pairs): class c
@@ -42,7 +47,10 @@ CLASS_ROWS = (16, 64)
 CLASS_CONFIGS: tuple[dict[str, dict[str, int]], ...] = (
     {"gate_up": _gemm(16, 128, 128, 4, 3, 0), "down": _gemm(16, 128, 128, 4, 4, 0)},
     {"gate_up": _gemm(32, 64, 64, 4, 4, 1), "down": _gemm(32, 128, 64, 4, 3, 1)},
-    {"gate_up": _gemm(128, 128, 64, 8, 4, 8, tma=2), "down": _gemm(128, 256, 64, 8, 4, 16, tma=2)},
+    {
+        "gate_up": _gemm(128, 128, 64, 8, 4, 8, tma=2, tail_m=64),
+        "down": _gemm(128, 256, 64, 8, 4, 16, tma=2, tail_m=64),
+    },
 )
 
 
@@ -99,6 +107,10 @@ def _resolve(base: dict[str, dict[str, int]], override: dict[str, Any] | None) -
     for gemm, c in out.items():
         if c["tma"] not in TMA_MODES:
             raise ValueError(f"fused_moe config[{gemm!r}]['tma']={c['tma']!r}: one of {TMA_MODES}")
+        tail = c["tail_m"]
+        if tail and (tail < 16 or tail & (tail - 1) or tail > c["block_m"]):
+            raise ValueError(f"fused_moe config[{gemm!r}]['tail_m']={tail}: 0 or a power of "
+                             f"two >= 16 and <= block_m ({c['block_m']})")  # fmt: skip
         for name in ("block_m", "block_n", "block_k"):
             v = c[name]
             if v < 16 or v & (v - 1):

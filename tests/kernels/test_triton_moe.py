@@ -220,6 +220,56 @@ def test_tma_falls_back_where_alignment_rules_it_out() -> None:
     assert not down["TMA_W"] and not down["TMA_A"]
 
 
+def _tail_config(block_m: int, tail_m: int) -> dict:
+    return {g: dict(c, block_m=block_m, tail_m=tail_m, tma=triton_moe.TMA_AW)
+            for g, c in triton_moe.CLASS_CONFIGS[-1].items()}  # fmt: skip
+
+
+def _ids_with_counts(counts: list[int]) -> torch.Tensor:
+    """K=1 routing, tokens shuffled, expert e receiving counts[e] tokens."""
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    return ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(5))][:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tails_cover_every_segment_shape(dtype: torch.dtype) -> None:
+    # Tails (an expert's last M-block also computes up to tail_m rows past its
+    # block_m main rows) with block_m = tail_m = 16, segments of every shape:
+    # empty; one partial block; exactly one block (no tail); one block + a
+    # 1-row / full tail; two blocks + a 1-row / full tail; three blocks + tail.
+    counts = [0, 5, 16, 17, 32, 33, 48, 49, 70]
+    args = make(sum(counts), 32, 16, len(counts), 1, dtype, seed=14, ids=_ids_with_counts(counts))
+    cfg = _tail_config(16, 16)
+    ws = Workspace(DEVICE)
+    out = triton_moe.fused_moe(*args, workspace=ws, config=cfg)
+    assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[dtype]
+    # Tails really ran, and garbage in the scratch never reaches the output.
+    x, w13, w2, _, topk_ids = args
+    s = triton_moe._scratch(x, w13, w2, topk_ids, None, sorted_x=True)
+    assert triton_moe._gate_up_launch(x, w13, s, 1, cfg["gate_up"])[-1][3]["TAIL_M"] == 16
+    assert triton_moe._down_launch(w2, s, cfg["down"])[-1][3]["TAIL_M"] == 16
+    ws.buffer.fill_(0xFF)
+    assert torch.equal(triton_moe.fused_moe(*args, workspace=ws, config=cfg), out)
+    no_tail = triton_moe.fused_moe(*args, config=_tail_config(16, 0))
+    assert rel_err(out, no_tail) < TOL[dtype]
+
+
+def test_tails_need_tma_and_a_valid_size() -> None:
+    # I=20 bf16: act rows are 40 bytes, so down's activations go through
+    # pointers and its tail is off; gate_up (D=64) keeps TMA and its tail.
+    args = make(40, 64, 20, 2, 1, torch.bfloat16, seed=15, ids=_ids_with_counts([27, 13]))
+    cfg = _tail_config(16, 16)
+    out = triton_moe.fused_moe(*args, config=cfg)
+    assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[torch.bfloat16]
+    x, w13, w2, _, topk_ids = args
+    s = triton_moe._scratch(x, w13, w2, topk_ids, None, sorted_x=True)
+    assert triton_moe._gate_up_launch(x, w13, s, 1, cfg["gate_up"])[-1][3]["TAIL_M"] == 16
+    assert triton_moe._down_launch(w2, s, cfg["down"])[-1][3]["TAIL_M"] == 0
+    for bad in (24, 8, 32):  # not a power of two; below 16; above block_m
+        with pytest.raises(ValueError, match="tail_m"):
+            triton_moe.fused_moe(*args, config={"down": {"block_m": 16, "tail_m": bad}})
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -399,3 +449,28 @@ def test_gpu_cuda_graph_replay(cls: int | str) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(graph_out, moe_ref.fused_moe(x, w13, w2, weights, ids)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_tails_under_graph_replay() -> None:
+    # The largest class's tiles (128-row blocks, 64-row tails) captured once
+    # and replayed with routings that add and remove tails: 160 rows on one
+    # expert (a 32-row tail), 100 / 60 (none), 130 / 30 (a 2-row tail).
+    t, d, i, e, k = 160, 1024, 256, 2, 1
+    x, w13, w2, weights, ids = make(t, d, i, e, k, torch.bfloat16, seed=16,
+                                    ids=_ids_with_counts([160, 0]))  # fmt: skip
+    cfg = {g: dict(c, group_m=1) for g, c in triton_moe.CLASS_CONFIGS[-1].items()}
+    assert cfg["gate_up"]["tail_m"] == cfg["down"]["tail_m"] == 64
+    ws = Workspace("cuda")
+    step = lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, workspace=ws, config=cfg)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    ws.lock()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+    for counts in ([160, 0], [100, 60], [130, 30]):
+        ids.copy_(_ids_with_counts(counts).to(ids))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(graph_out, moe_ref.fused_moe(x, w13, w2, weights, ids)) < 2e-2, counts
