@@ -64,7 +64,7 @@ DEV = "cuda"  # --smoke: "cpu" (and tiny E, K, D, I)
 TOKENS = (4096, 8192, 512, 1, 16, 64)
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on Hopper (227 KB)
 ACC_REGS_LIMIT = 128  # fp32 accumulator registers per thread beyond which spills loom
-GROUP_MS = (0, 1, 4, 8, 16, 32, 64)
+GROUP_MS = (0, 1, 2, 4, 8, 16, 32, 64)
 START = time.time()
 
 # ----------------------------------------------------------------------------- the grid

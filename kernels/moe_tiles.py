@@ -41,15 +41,18 @@ def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
 # (benchmarks/sweep_moe.py, DeepSeek-V3 dims): T=1 3.65 TB/s and T=16 4.43
 # TB/s of touched weights. Class 2 loads both operands by TMA (tma=2; the
 # second H200 sweep: gate_up 5148 us vs 5540 with pointers, down 2639 vs
-# 2967 at T=4096): the whole op reaches 358 TFLOP/s at T=4096 and 438 at
-# T=8192 (grouping + reduction ~2%).
+# 2967 at T=4096) and runs tails (tail_m=64): an expert's last block takes up
+# to 64 rows past its 128, so ~128 rows per expert need one block, not two,
+# which also makes a short program order best (group_m 2 and 4: the
+# 2026-12-03 order runs at T=2048/4096/8192). The whole op: ~390-400 TFLOP/s
+# at T=4096 (339 without tails) and 457 at T=8192 (docs/benchmarks.md).
 CLASS_ROWS = (16, 64)
 CLASS_CONFIGS: tuple[dict[str, dict[str, int]], ...] = (
     {"gate_up": _gemm(16, 128, 128, 4, 3, 0), "down": _gemm(16, 128, 128, 4, 4, 0)},
     {"gate_up": _gemm(32, 64, 64, 4, 4, 1), "down": _gemm(32, 128, 64, 4, 3, 1)},
     {
-        "gate_up": _gemm(128, 128, 64, 8, 4, 8, tma=2, tail_m=64),
-        "down": _gemm(128, 256, 64, 8, 4, 16, tma=2, tail_m=64),
+        "gate_up": _gemm(128, 128, 64, 8, 4, 2, tma=2, tail_m=64),
+        "down": _gemm(128, 256, 64, 8, 4, 4, tma=2, tail_m=64),
     },
 )
 
@@ -81,6 +84,9 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int,
             # shared memory at or below the bf16 tiles' (which fit); e.g.
             # class 0's gate_up ring is ~204 KB in bf16, ~408 KB in fp32.
             c["num_stages"] = max(1, c["num_stages"] // 2)
+            # ...and no tails: class 2's fp32 ring with the tail tile measured
+            # 240 KB of shared memory on the H200 (227 KB allowed).
+            c["tail_m"] = 0
         out[gemm] = c
     return out
 

@@ -297,6 +297,12 @@ def test_moe_config_cuts_tiles_to_small_matrices() -> None:
     assert cfg["down"]["block_n"] <= 64 and cfg["down"]["block_k"] <= 32
     big = triton_moe.moe_config(10**5, 8, 256, 7168, 2048)
     assert big == {g: dict(c) for g, c in triton_moe.CLASS_CONFIGS[-1].items()}
+    assert big["gate_up"]["tail_m"] == big["down"]["tail_m"] == 64
+    # fp32: half the stages and no tails (their ring would not fit on Hopper).
+    fp32 = triton_moe.moe_config(10**5, 8, 256, 7168, 2048, elem_bytes=4)
+    for gemm in triton_moe.GEMMS:
+        assert fp32[gemm]["tail_m"] == 0
+        assert fp32[gemm]["num_stages"] == big[gemm]["num_stages"] // 2
 
 
 def test_config_override_merges_and_validates() -> None:
