@@ -119,6 +119,35 @@ def _has_tail(first_in_seg, count, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
 
 
 @device_fn
+def _act_tile(a_desc, a_ptrs, row0, k0, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr,
+              TMA_A: tl.constexpr):  # fmt: skip
+    """The [BLOCK_M, BLOCK_K] activation tile at column k0: by TMA (rows from
+    row0; a K tail past K is zero-filled) or through a_ptrs (masked only when
+    K is not a multiple of BLOCK_K)."""
+    if TMA_A:
+        tile = a_desc.load([row0, k0])
+    elif K % BLOCK_K == 0:
+        tile = tl.load(a_ptrs)
+    else:
+        tile = tl.load(a_ptrs, mask=(offs_k < K - k0)[None, :], other=0.0)
+    return tile
+
+
+@device_fn
+def _weight_tile(w_desc, w_ptrs, w_row, k0, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TMA_W: tl.constexpr):  # fmt: skip
+    """The weight tile at column k0 as [BLOCK_K, BLOCK_N] (x @ w needs no
+    transpose): by TMA from row w_row of the [E*N, K] view, or through w_ptrs."""
+    if TMA_W:
+        tile = w_desc.load([w_row, k0]).T
+    elif K % BLOCK_K == 0:
+        tile = tl.load(w_ptrs)
+    else:
+        tile = tl.load(w_ptrs, mask=(offs_k < K - k0)[:, None], other=0.0)
+    return tile
+
+
+@device_fn
 def _gate_up_mma(x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_k,
                  INTER: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_ROWS: tl.constexpr,
@@ -133,23 +162,9 @@ def _gate_up_mma(x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_
     acc_gt = tl.zeros([TAIL_ROWS, BLOCK_N], dtype=tl.float32)
     acc_ut = tl.zeros([TAIL_ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
-        # TMA zero-fills a K tail past D; pointer loads mask it.
-        if TMA_A:
-            xt = x_ptr.load([row0, k0])
-        elif HIDDEN % BLOCK_K == 0:
-            xt = tl.load(x_ptrs)
-        else:
-            xt = tl.load(x_ptrs, mask=(offs_k < HIDDEN - k0)[None, :], other=0.0)
-        if TMA_W:
-            wg = w13.load([w_row, k0]).T
-            wu = w13.load([w_row + INTER, k0]).T
-        elif HIDDEN % BLOCK_K == 0:
-            wg = tl.load(g_ptrs)
-            wu = tl.load(u_ptrs)
-        else:
-            k_ok = offs_k < HIDDEN - k0
-            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        xt = _act_tile(x_ptr, x_ptrs, row0, k0, offs_k, HIDDEN, BLOCK_K, TMA_A)
+        wg = _weight_tile(w13, g_ptrs, w_row, k0, offs_k, HIDDEN, BLOCK_K, TMA_W)
+        wu = _weight_tile(w13, u_ptrs, w_row + INTER, k0, offs_k, HIDDEN, BLOCK_K, TMA_W)
         if UPCAST:
             xt = xt.to(tl.float32)
             wg = wg.to(tl.float32)
@@ -272,18 +287,8 @@ def _down_mma(act, at_desc, w2, a_ptrs, w_ptrs, row0, w_row, offs_k, INTER: tl.c
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([TAIL_ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        if TMA_A:
-            a = act.load([row0, k0])
-        elif INTER % BLOCK_K == 0:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=(offs_k < INTER - k0)[None, :], other=0.0)
-        if TMA_W:
-            w = w2.load([w_row, k0]).T
-        elif INTER % BLOCK_K == 0:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(offs_k < INTER - k0)[:, None], other=0.0)
+        a = _act_tile(act, a_ptrs, row0, k0, offs_k, INTER, BLOCK_K, TMA_A)
+        w = _weight_tile(w2, w_ptrs, w_row, k0, offs_k, INTER, BLOCK_K, TMA_W)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)

@@ -426,6 +426,19 @@ def test_gpu_tma_modes_deepseek_v3_dims(mode: int) -> None:
     assert rel_err(out, ref) < 2e-2
 
 
+def _captured(x, w13, w2, weights, ids, ws: Workspace, cfg: dict) -> tuple:
+    """(graph, its output): fused_moe run once eagerly (compiles), the
+    workspace locked, then captured; replays read the tensors' new contents."""
+    step = lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, workspace=ws, config=cfg)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    ws.lock()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cls", [*CLASSES, "tma"])
 def test_gpu_cuda_graph_replay(cls: int | str) -> None:
@@ -438,13 +451,7 @@ def test_gpu_cuda_graph_replay(cls: int | str) -> None:
     ws = Workspace("cuda")
     # "tma": host-built descriptors are recorded by value with the launch.
     cfg = _tma_config(triton_moe.TMA_AW) if cls == "tma" else triton_moe.CLASS_CONFIGS[cls]
-    step = lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, workspace=ws, config=cfg)  # noqa: E731
-    step()
-    torch.cuda.synchronize()
-    ws.lock()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = step()
+    graph, graph_out = _captured(x, w13, w2, weights, ids, ws, cfg)
     for seed in range(3):  # new routing each replay, incl. everything on one expert
         new_w, new_ids = torch.topk(torch.rand(t, e, device="cuda"), k, dim=-1)
         if seed == 2:
@@ -468,13 +475,7 @@ def test_gpu_tails_under_graph_replay() -> None:
     cfg = {g: dict(c, group_m=1) for g, c in triton_moe.CLASS_CONFIGS[-1].items()}
     assert cfg["gate_up"]["tail_m"] == cfg["down"]["tail_m"] == 64
     ws = Workspace("cuda")
-    step = lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, workspace=ws, config=cfg)  # noqa: E731
-    step()
-    torch.cuda.synchronize()
-    ws.lock()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = step()
+    graph, graph_out = _captured(x, w13, w2, weights, ids, ws, cfg)
     for counts in ([160, 0], [100, 60], [130, 30]):
         ids.copy_(_ids_with_counts(counts).to(ids))
         graph.replay()
