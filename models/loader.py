@@ -53,6 +53,10 @@ def load_hf_config(model_path: str, hf_overrides: dict[str, Any] | None = None) 
         if not isinstance(hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict, got {type(hf_overrides).__name__}")
         hf_config.update(hf_overrides)
+    layers = hf_config.get("num_hidden_layers")
+    if layers is not None and (type(layers) is not int or layers < 1):
+        src = "hf_overrides" if "num_hidden_layers" in (hf_overrides or {}) else "config.json"
+        raise ValueError(f"num_hidden_layers must be an integer >= 1, got {layers!r} (from {src})")
     return hf_config
 
 

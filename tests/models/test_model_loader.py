@@ -73,6 +73,19 @@ def test_config_missing_is_a_clear_error(tmp_path: Path) -> None:
         load_hf_config(str(tmp_path / "nope"))
 
 
+def test_layer_count_below_one_is_a_clear_error(tmp_path: Path) -> None:
+    # hf_overrides={"num_hidden_layers": 0} used to fail deep in the first
+    # forward ("too many values to unpack"), -1 in a zeros() call.
+    path = make_tiny_hf_model("llama", tmp_path)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"num_hidden_layers .*hf_overrides"):
+            load_hf_config(str(path), {"num_hidden_layers": bad})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=0)))
+    with pytest.raises(ValueError, match=r"num_hidden_layers .*config.json"):
+        load_hf_config(str(path))
+
+
 def test_hf_overrides_are_merged_before_building(tmp_path: Path) -> None:
     path = make_tiny_hf_model("llama", tmp_path)
     config = load_hf_config(str(path), {"num_hidden_layers": 1, "rms_norm_eps": 1e-3})

@@ -153,6 +153,66 @@ def test_cli_writes_a_folder(tmp_path, capsys):
     assert make_proxy.main(["--preset", "deepseek-v3-tiny", "--out", str(out)]) == 1  # not empty
 
 
+def test_cli_sets_width_and_checks_its_flags(tmp_path, capsys):
+    out = tmp_path / "wide"
+    wide = '{"hidden_size": 96, "n_routed_experts": 16}'
+    code = make_proxy.main(["--preset", "deepseek-v3-tiny", "--out", str(out), "--seed", "3",
+                            "--hf-overrides", wide])  # fmt: skip
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_size"] == 96 and config["n_routed_experts"] == 16
+    weights = _read_all(out)
+    assert weights["model.embed_tokens.weight"].shape[1] == 96
+    assert weights["model.layers.1.mlp.gate.weight"].shape == (16, 96)
+    for argv in (["--seed", "3"], ["--hf-overrides", "{}"]):  # the cache holds presets as named
+        with pytest.raises(SystemExit):
+            make_proxy.main(["--preset", "deepseek-v3-tiny", "--cache-dir", str(tmp_path), *argv])
+        assert "needs --out" in capsys.readouterr().err
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            make_proxy.main(["--preset", "deepseek-v3-tiny", "--out", str(tmp_path / "x"),
+                             "--hf-overrides", bad])  # fmt: skip
+        assert "--hf-overrides" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert make_proxy.main(["--preset", "deepseek-v3-tiny", "--out", str(a_file)]) == 1
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_interrupted_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    from tinyengine.tools import checkpoint_writer
+
+    real_save = checkpoint_writer.save_file
+    calls = []
+
+    def save_then_die(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C after the first shard
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_writer, "save_file", save_then_die)
+    out = tmp_path / "out"
+    out.mkdir()  # an empty folder given as --out is fine
+    with pytest.raises(KeyboardInterrupt):
+        write_proxy(out, "deepseek-v3-tiny", shard_size=1 << 20, progress=False)
+    assert out.is_dir() and not any(out.iterdir())  # nothing half-written at the target
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left
+    monkeypatch.undo()
+    folder = write_proxy(out, "deepseek-v3-tiny", shard_size=1 << 20, progress=False)
+    assert {"config.json", "model.safetensors.index.json"} <= {p.name for p in folder.iterdir()}
+
+
+def test_v2_lite_tiny_is_a_model_preset(tmp_path):
+    from tinyengine.models_presets import PRESETS as MODEL_PRESETS
+    from tinyengine.models_presets import resolve_model
+
+    assert "deepseek-v2-lite-tiny" in MODEL_PRESETS
+    folder = resolve_model("deepseek-v2-lite-tiny", cache_dir=str(tmp_path))
+    config = json.loads((Path(folder) / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"] and make_proxy.is_complete(folder)
+
+
 def test_truncated_load_reads_only_leading_shards(tmp_path):
     """Non-layer tensors first, then layer by layer: a proxy loaded with fewer
     layers never needs the shards of the dropped ones."""

@@ -203,14 +203,39 @@ def write_checkpoint(
 ) -> Path:
     """Write `specs` (seeded, initializer_range std) as a sharded safetensors
     checkpoint, plus config.json, generation_config.json and the tokenizer,
-    into `path` (created; must be empty or absent). Returns the folder."""
+    into `path` (created; must be empty or absent). Returns the folder.
+
+    The files are written into a temporary sibling folder that is renamed to
+    `path` only when complete, so an interrupted write never leaves a
+    half-written checkpoint at `path` (nor blocks a rerun)."""
     dtype = getattr(torch, str(config.get("dtype", "bfloat16")).replace("torch.", ""))
-    itemsize = torch.empty((), dtype=dtype).element_size()
     device = build_device(device)
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
+    if out.exists() and not out.is_dir():
+        raise CheckpointBuildError(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
         raise CheckpointBuildError(f"{out} is not empty; write a checkpoint into a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.writing-", dir=out.parent))
+    try:
+        _write_files(tmp, config, specs, tokenizer, dtype, seed, shard_size, progress, device,
+                     generation_config, label=out.name)  # fmt: skip
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; weights are for every reader
+        if out.is_dir():
+            out.rmdir()  # the empty folder we were pointed at
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_files(out: Path, config: dict[str, Any], specs: list[TensorSpec],
+                 tokenizer: TokenizerSource, dtype: torch.dtype, seed: int, shard_size: int,
+                 progress: bool, device: str, generation_config: dict[str, Any] | None,
+                 label: str) -> None:  # fmt: skip
+    """write_checkpoint's files, into the (empty) folder `out`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
     write_tokenizer(out, tokenizer)  # first: fails fast when the package is missing
 
     shards = plan_shards(specs, itemsize, shard_size)
@@ -218,7 +243,7 @@ def write_checkpoint(
     total = sum(s.nbytes(itemsize) for s in specs)
     std = float(config.get("initializer_range", 0.02))
     weight_map: dict[str, str] = {}
-    bar = _progress(total, f"writing {out.name} ({device})", progress)
+    bar = _progress(total, f"writing {label} ({device})", progress)
     for shard, file_name in zip(shards, names, strict=True):
         tensors: dict[str, torch.Tensor] = {}
         for spec in shard:
@@ -240,7 +265,6 @@ def write_checkpoint(
     _write_json(out / "generation_config.json", generation)
     for f in out.iterdir():
         f.chmod(0o644)  # safetensors writes owner-only files; weights are for every reader
-    return out
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -331,9 +355,11 @@ def _publish(tmp: Path, folder: Path, fingerprint: str) -> None:
 
 # ----------------------------------------------------------------------------- CLI
 
-# preset name -> (write(out, preset, num_layers=, seed=, shard_size=, device=) -> Path,
-#                 ensure(preset, cache_dir, num_layers=, device=) -> str)
-Builders = dict[str, tuple[Callable[..., Path], Callable[..., str]]]
+# preset name -> (write(out, preset or config dict, num_layers=, seed=, shard_size=,
+#                       device=) -> Path,
+#                 ensure(preset, cache_dir, num_layers=, device=) -> str,
+#                 preset_config(preset, **overrides) -> config dict)
+Builders = dict[str, tuple[Callable[..., Path], Callable[..., str], Callable[..., dict]]]
 
 
 def run_cli(argv: Sequence[str] | None, description: str, builders: Builders) -> int:
@@ -342,7 +368,12 @@ def run_cli(argv: Sequence[str] | None, description: str, builders: Builders) ->
     parser.add_argument("--preset", required=True, choices=sorted(builders))
     parser.add_argument("--out", default=None, help="folder to write (default: the cache)")
     parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers")
-    parser.add_argument("--seed", type=int, default=0, help="with --out only")
+    parser.add_argument("--seed", type=int, default=None, help="with --out only (default 0)")
+    parser.add_argument(
+        "--hf-overrides", default=None, metavar="JSON",
+        help='with --out only: config.json fields over the preset, e.g. '
+             '\'{"hidden_size": 256, "n_routed_experts": 16}\' (width, experts, ...)',
+    )  # fmt: skip
     parser.add_argument("--shard-size-mb", type=int, default=DEFAULT_SHARD_SIZE >> 20)
     parser.add_argument(
         "--device", choices=_BUILD_DEVICES, default=None,
@@ -352,13 +383,20 @@ def run_cli(argv: Sequence[str] | None, description: str, builders: Builders) ->
         "--cache-dir", default=None, help="default: $TINYENGINE_CACHE or ~/.cache/tinyengine"
     )
     args = parser.parse_args(argv)
-    write, ensure = builders[args.preset]
+    write, ensure, preset_config = builders[args.preset]
+    if args.out is None:
+        # A cached build is the named preset itself (its folder name says so).
+        for flag, value in (("--seed", args.seed), ("--hf-overrides", args.hf_overrides)):
+            if value is not None:
+                parser.error(f"{flag} needs --out (the cache holds the presets as named)")
+    overrides = _parse_overrides(parser, args.hf_overrides)
     try:
         if args.out is None:
             print(ensure(args.preset, args.cache_dir, num_layers=args.layers, device=args.device))
         else:
+            config = preset_config(args.preset, **overrides) if overrides else args.preset
             folder = write(
-                args.out, args.preset, num_layers=args.layers, seed=args.seed,
+                args.out, config, num_layers=args.layers, seed=args.seed or 0,
                 shard_size=args.shard_size_mb << 20, device=args.device,
             )  # fmt: skip
             print(folder)
@@ -366,3 +404,15 @@ def run_cli(argv: Sequence[str] | None, description: str, builders: Builders) ->
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _parse_overrides(parser: argparse.ArgumentParser, text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as e:
+        parser.error(f"--hf-overrides is not valid JSON: {e}")
+    if not isinstance(overrides, dict):
+        parser.error("--hf-overrides must be a JSON object of config.json fields")
+    return overrides

@@ -228,7 +228,7 @@ def ensure_preset(
 
 def builders() -> Builders:
     """The command line's entries for the dense presets."""
-    return {name: (write_dense, ensure_preset) for name in PRESETS}
+    return {name: (write_dense, ensure_preset, preset_config) for name in PRESETS}
 
 
 def main(argv: list[str] | None = None) -> int:

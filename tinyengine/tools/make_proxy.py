@@ -15,6 +15,8 @@ files), download anything, or leave a half-written folder where a finished one
 is expected (the shared writer builds in a temporary sibling and renames).
 
     python -m tinyengine.tools.make_proxy --preset deepseek-v3-tiny --out DIR [--layers N]
+    python -m tinyengine.tools.make_proxy --preset deepseek-v3-tiny --out DIR \
+        --hf-overrides '{"hidden_size": 256, "n_routed_experts": 16}'   # another width
     python -m tinyengine.tools.make_proxy --preset deepseek-v3-proxy      # into the cache
     TINYENGINE_BUILD_DEVICE=cuda python -m tinyengine.tools.make_proxy --preset deepseek-v3-proxy
 """
@@ -295,7 +297,7 @@ def ensure_preset(
 def main(argv: list[str] | None = None) -> int:
     from tinyengine.tools import make_dense
 
-    builders = {name: (write_proxy, ensure_preset) for name in PRESETS}
+    builders = {name: (write_proxy, ensure_preset, preset_config) for name in PRESETS}
     builders.update(make_dense.builders())
     return run_cli(argv, __doc__.split("\n\n")[0], builders)
 
