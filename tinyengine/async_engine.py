@@ -194,6 +194,7 @@ class AsyncLLMEngine:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._closing = False  # stop_serving() was called: refuse new requests
 
     # --- lifecycle (event loop side) ---
 
@@ -203,9 +204,17 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._post(_SHUTDOWN)
+        self.stop_serving()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def stop_serving(self) -> None:
+        """Refuse new requests and fail the in-flight ones ("the server is
+        shutting down"), so their connections close now instead of when their
+        generations end. Safe from a signal handler: it sets a flag and posts
+        one command (SimpleQueue.put is reentrant)."""
+        self._closing = True
+        self._post(_SHUTDOWN)
 
     @property
     def ready(self) -> bool:
@@ -251,6 +260,8 @@ class AsyncLLMEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        if self._closing:
+            raise EngineNotReadyError("the server is shutting down")
         if not self.ready:
             raise EngineNotReadyError(self.not_ready_message())
         if len(prompts) == 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -124,5 +125,36 @@ def test_model_that_fails_to_load_gives_503_with_reason(broken_model: str):
         assert r.status_code == 503
         assert "failed to start" in r.json()["error"]["message"]
         assert json.loads(r.text)["error"]["type"] == "service_unavailable"
+    finally:
+        server.stop()
+
+
+def test_sigterm_ends_inflight_generations_and_exits(tiny_text_model: str):
+    """uvicorn alone waits for every open connection on SIGTERM: a long
+    generation kept the server alive for minutes. The first signal now fails
+    the in-flight requests ("the server is shutting down") and the process
+    exits within seconds."""
+    server = ServerProcess({"TINYENGINE_MODEL": tiny_text_model, "TINYENGINE_ENFORCE_EAGER": "1"})
+    try:
+        server.wait_for_health(200)
+        name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": name, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        lines: list[str] = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            it = r.iter_lines()
+            while sum(line.startswith("data: {") for line in lines) < 2:
+                lines.append(next(it))
+            server.proc.terminate()  # SIGTERM
+            t0 = time.monotonic()
+            lines.extend(it)  # the stream ends early, with an error event
+        # uvicorn re-raises the signal once shut down: exit status -SIGTERM.
+        assert server.proc.wait(timeout=20) in (0, -signal.SIGTERM)
+        assert time.monotonic() - t0 < 20
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert any("shutting down" in json.dumps(e) for e in events), lines[-5:]
+        finished = [c for e in events for c in e.get("choices", ()) if c.get("finish_reason")]
+        assert not any(c["finish_reason"] == "length" for c in finished)  # not run to the end
     finally:
         server.stop()

@@ -17,6 +17,8 @@ import asyncio
 import importlib.metadata
 import logging
 import secrets
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,6 +46,7 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        _stop_serving_on_exit_signals(engine)
         yield
         await asyncio.to_thread(engine.shutdown)
 
@@ -99,6 +102,28 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
     app.include_router(generate_router, dependencies=[Depends(require_api_key)])
     app.include_router(tokenize_router, dependencies=[Depends(require_api_key)])
     return app
+
+
+def _stop_serving_on_exit_signals(engine: AsyncLLMEngine) -> None:
+    """On SIGINT/SIGTERM uvicorn stops accepting and then waits for every open
+    connection to finish: one long generation held a SIGTERM for minutes.
+    Chained onto the handlers uvicorn installed (this runs at startup, after
+    it did), the first signal also stops the engine, failing the in-flight
+    requests with "the server is shutting down", so the connections close
+    and the process exits in seconds (vLLM's server does not drain either).
+    Only from the main thread, where signal handlers can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+        if not callable(previous):
+            continue  # SIG_DFL / SIG_IGN: not a server's graceful handler; leave it
+
+        def on_signal(signum: int, frame: Any, previous: Any = previous) -> None:
+            engine.stop_serving()
+            previous(signum, frame)
+
+        signal.signal(sig, on_signal)
 
 
 def _package_version() -> str:
