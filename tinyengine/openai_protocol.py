@@ -309,6 +309,8 @@ def parse_body(body: bytes, cls: type[ModelT]) -> ModelT:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # ~1000 nested arrays: json's parser recurses
+        raise bad_request("the request body nests JSON arrays/objects too deeply") from e
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from typing import Any
 
@@ -526,9 +527,18 @@ BAD_REQUESTS = [
         "chat/completions",
         {"messages": [{"role": "user", "content": "hi " * 600}]},
         400,
-        "prompt",
+        "messages",  # the chat's own name for the prompt
         "max_model_len",
     ),
+    (
+        "chat/completions",
+        {"messages": QUESTION, "max_completion_tokens": 600},
+        400,
+        "max_completion_tokens",  # the field the request used
+        "too large",
+    ),
+    # ~1100 nested arrays: json's parser recursed past Python's limit (was a 500).
+    ("completions", b'{"prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}", 400, None, "deeply"),
     ("chat/completions", {"messages": QUESTION, "model": "nope"}, 404, "model", "nope"),
 ]
 
@@ -546,6 +556,22 @@ def test_bad_input_gets_an_openai_error(client, endpoint, body, status, param, w
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param
     assert words.replace(">", "greater").lower() in error["message"].lower()
+
+
+def test_client_gone_mid_body_is_not_a_server_error(server, client):
+    # The client sends half of its Content-Length and hangs up: nothing was
+    # queued; this used to be logged as an unhandled 500 with two tracebacks.
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {API_KEY}\r\nContent-Length: 1000\r\n\r\n".encode()
+            + b'{"prompt": "half a body'
+        )
+    time.sleep(0.5)
+    logs = server.logs()
+    assert "unhandled error" not in logs and "ClientDisconnect" not in logs, logs[-2000:]
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_body_limit_and_server_keeps_serving(client):

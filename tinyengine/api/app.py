@@ -27,6 +27,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tinyengine.api.checks import check_model
 from tinyengine.api.generate import router as generate_router
@@ -57,6 +58,7 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnected)
     app.add_exception_handler(Exception, _unexpected_error)
 
     @app.get("/health")
@@ -172,6 +174,13 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         400, f"{'.'.join(loc)}: {err.get('msg', 'invalid request')}", param=loc[0] if loc else None
     )
     return JSONResponse(error.body(), status_code=400)
+
+
+async def _client_disconnected(request: Request, exc: Exception) -> JSONResponse:
+    # The client went away while still sending its body: nothing was queued,
+    # and nobody will read this (499, nginx's "client closed request").
+    logger.info("client disconnected while sending %s %s", request.method, request.url.path)
+    return JSONResponse(APIError(499, "client closed the request").body(), status_code=499)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

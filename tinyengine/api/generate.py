@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -59,6 +59,9 @@ class _Job:
     num_logprobs: int | None  # None: no logprobs asked for
     include_usage: bool
     echo: list[str] | None = None  # completions' echo: the prompt text, per prompt
+    # The request's own names for the engine's fields, for errors' "param"
+    # (chat: the prompt is "messages"; the limit may be max_completion_tokens).
+    param_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -106,6 +109,9 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
         raise bad_request(str(e), "messages") from e
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     job = _Job(R.new_id("chatcmpl"), model, True, params, num_logprobs, req.include_usage_in_stream)
+    job.param_names["prompt"] = "messages"
+    if req.max_completion_tokens is not None:
+        job.param_names["max_tokens"] = "max_completion_tokens"
     prompts: list[str | dict[str, Any]] = [{"prompt_token_ids": token_ids}]
     return await _generate(request, engine, prompts, job, bool(req.stream))
 
@@ -154,7 +160,7 @@ async def _generate(
         await rs.accepted()
     except RequestRejectedError as e:
         watcher.cancel()
-        raise bad_request(str(e), e.param) from e
+        raise bad_request(str(e), job.param_names.get(e.param or "", e.param)) from e
     except RequestAbortedError:
         return _client_gone()
     except BaseException:
