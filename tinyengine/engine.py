@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from tinyengine.warmup import run_warmup
 from tinyengine.worker.profiler import num_kv_blocks_for_budget, profile_run
 from tinyengine.worker.runner import ModelRunner
 from tinyengine.worker.startup import StartupMachine, StartupReport
+
+logger = logging.getLogger("tinyengine.engine")
 
 PromptType = str | dict[str, Any]
 
@@ -152,6 +155,15 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
+        cache_tokens = num_blocks * self.config.block_size
+        if cache_tokens < self.max_model_len:
+            # vLLM refuses to start here; we serve, with a smaller usable
+            # context (add_request caps a default max_tokens to it).
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: one request can "
+                "use at most %d tokens (raise num_kv_blocks / gpu_memory_utilization, or lower "
+                "max_model_len)", cache_tokens, self.max_model_len, cache_tokens,
+            )  # fmt: skip
         return num_blocks
 
     def stage_warmup(self) -> None:
@@ -217,7 +229,14 @@ class LLMEngine:
                 f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(token_ids)})",
                 "max_tokens",
             )
-        max_tokens = min(params.max_tokens or room, room)
+        if params.max_tokens is None:
+            # "Up to the context": what the KV cache can hold bounds it too,
+            # when the cache is smaller than max_model_len (if even the prompt
+            # does not fit, the scheduler's check below says so).
+            cache_room = self.scheduler.block_manager.num_blocks * self.config.block_size
+            max_tokens = max(1, min(room, cache_room - len(token_ids)))
+        else:
+            max_tokens = min(params.max_tokens, room)
         request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids)
         self.scheduler.add_request(request)  # validates; raises before we keep any state
         final_only = params.output_kind is RequestOutputKind.FINAL_ONLY

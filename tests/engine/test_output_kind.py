@@ -169,3 +169,20 @@ def test_chat_reports_its_rendered_prompt_and_takes_vllms_keywords(llm):
     (bare,) = llm.chat(conversation, params, use_tqdm=False, add_generation_prompt=False)
     assert bare.prompt == tok.apply_chat_template(conversation, add_generation_prompt=False)
     assert bare.prompt != out.prompt
+
+
+def test_default_max_tokens_fits_a_kv_cache_smaller_than_the_context(cache_dir, caplog):
+    # 4 blocks of 16 = 64 cached tokens under max_model_len 128: startup warns,
+    # and "up to the context" (max_tokens None, the server's chat default)
+    # means up to what the cache holds, instead of refusing every request.
+    path = ensure_preset("deepseek-v3-tiny", cache_dir)
+    with caplog.at_level("WARNING", logger="tinyengine.engine"):
+        small = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=4, block_size=16,
+                    print_startup_report=False)  # fmt: skip
+    assert "holds 64 tokens, fewer than max_model_len=128" in caplog.text
+    params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
+    out = small.generate(["The capital of France is"], params)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    with pytest.raises(ValueError, match="KV blocks"):  # an explicit ask beyond it is refused
+        small.generate(["The capital of France is"], SamplingParams(max_tokens=100))
