@@ -3,7 +3,9 @@
     python benchmarks/bench_deepseek_kernels.py
 
 MLA decode over the paged latent cache (128 heads, latent 512 + rope 64,
-block 16, bf16): latent bytes read / time. Fused MoE at V3 dims (256 experts,
+bf16; 64-token cache blocks, the engine's default for DeepSeek on CUDA, whose
+whole pages the kernel loads through TMA, and 16-token blocks, gathered row
+by row): latent bytes read / time. Fused MoE at V3 dims (256 experts,
 top-8, hidden 7168, expert width 2048, bf16): expert-weight bytes touched /
 time for few tokens, TFLOP/s for many. Timed as CUDA-graph replays (medians).
 """
@@ -33,8 +35,8 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / ms / 1e9
 
 
-def bench_mla(batch: int, ctx: int, heads: int, copy_tbs: float) -> None:
-    L, R, bs = 512, 64, 16
+def bench_mla(batch: int, ctx: int, heads: int, copy_tbs: float, bs: int = 64) -> None:
+    L, R = 512, 64
     blocks = batch * ctx // bs
     cache = torch.randn(blocks, bs, 1, L + R, device=DEV, dtype=torch.bfloat16)
     table = torch.randperm(blocks, device=DEV, dtype=torch.int32).view(batch, ctx // bs)
@@ -49,7 +51,7 @@ def bench_mla(batch: int, ctx: int, heads: int, copy_tbs: float) -> None:
     run()
     ms = do_bench_cudagraph(run, rep=100, return_mode="median")
     tbs = cache.numel() * 2 / ms / 1e9
-    print(f"mla_decode  B={batch:<4} H={heads:<4} ctx={ctx:<6} {ms * 1e3:9.1f} us "
+    print(f"mla_decode  B={batch:<4} H={heads:<4} ctx={ctx:<6} bs={bs:<3} {ms * 1e3:9.1f} us "
           f"{tbs:6.2f} TB/s  {100 * tbs / copy_tbs:5.1f}% of copy")  # fmt: skip
 
 
@@ -77,8 +79,8 @@ def bench_moe(tokens: int, copy_tbs: float, experts: int = 256) -> None:
 def main() -> None:
     copy_tbs = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: copy {copy_tbs:.2f} TB/s (read+write)")
-    for batch, heads in ((64, 128), (1, 128), (64, 16)):
-        bench_mla(batch, 4096, heads, copy_tbs)
+    for batch, heads, bs in ((64, 128, 64), (64, 128, 16), (1, 128, 64), (64, 16, 64)):
+        bench_mla(batch, 4096, heads, copy_tbs, bs)
     for tokens in (1, 16, 4096):
         bench_moe(tokens, copy_tbs)
 

@@ -7,7 +7,8 @@ mla_config's choice (the heuristic the engine uses) and the previous defaults.
     python benchmarks/sweep_mla.py --dry-run           # list the grid; runs on CPU
     python benchmarks/sweep_mla.py --json $OUT/mla.json
 
-Shapes: (B, H, ctx) with L=512 latent + R=64 rope, 16-row cache blocks, bf16,
+Shapes: (B, H, ctx) with L=512 latent + R=64 rope, bf16, 16- or 64-row cache
+blocks (each tile names its own: TMA tiles need 64),
 every sequence at the full ctx (worst case of a captured graph). Timings are
 medians of CUDA-graph replays (triton.testing.do_bench_cudagraph, L2 not
 flushed). TB/s counts the latent cache bytes of the live context once
@@ -26,7 +27,7 @@ goes on. Owns no kernel code: it only passes mla_decode's override kwargs.
 
 Reading it: the `best per shape` table is what to set the defaults from:
 _HEADS_PER_PROGRAM / _BLOCK_N / _NUM_STAGES / _warps_for in
-kernels/mla_tiles.py (and defer_pv / _LAZY_RESCALE in kernels/triton_mla.py)
+kernels/mla_tiles.py (_NUM_STAGES_TMA: which head blocks load pages through TMA)
 from the tile that wins (or is within a few % on) the H=128 shapes, and the
 split cost model's constants in kernels/mla_tiles.py (_ASSUMED_TFLOPS,
 _RESIDENT_PROGRAMS, ...) from whether `heur S` matches `best S`.
@@ -50,7 +51,7 @@ import triton  # noqa: E402
 
 from kernels import triton_mla  # noqa: E402
 
-L, R, BLOCK_SIZE = 512, 64, 16
+L, R = 512, 64
 DEV = "cuda"  # --smoke runs the whole flow on CPU under the Triton interpreter
 SHAPES = [  # (B, H, ctx), most important first: a budget cut drops the tail
     (64, 128, 4096),
@@ -69,35 +70,39 @@ class Tile:
     block_n: int
     warps: int
     stages: int
-    defer: bool  # DEFER_PV: each tile's PV product one iteration late
+    tma: bool  # whole tiles through TMA descriptors (paged_tma)
     lazy: bool  # LAZY_RESCALE
+    block_size: int  # the cache's block size the tile runs on
     old_splits: bool = False  # split count from the previous heuristic
 
 
-# Naming: d = deferred PV, c = chained (QK -> softmax -> PV in one iteration);
-# <block_h>x<block_n>, then s<stages> / w<warps> when not the usual, e = eager
-# rescale. The first entry of each list is what mla_config picks today.
+# Naming: t = TMA pages (64-token cache blocks, the engine's default for
+# DeepSeek on CUDA), c = pointer gathers (16-token blocks unless b64);
+# <block_h>x<block_n>, then s<stages> / w<warps> when not the usual, l = lazy
+# rescale (TMA tiles), e = eager (pointer tiles). The first entry of each list
+# is what mla_config picks today on 64-token blocks.
 TILES_128 = [
-    Tile("d64x32", 64, 32, 8, 2, True, True),
-    Tile("d64x16", 64, 16, 8, 2, True, True),
-    Tile("d64x32e", 64, 32, 8, 2, True, False),
-    Tile("d64x32s1", 64, 32, 8, 1, True, True),
-    Tile("d64x16s3", 64, 16, 8, 3, True, True),
-    Tile("c64x32", 64, 32, 8, 2, False, True),
-    Tile("c64x16s3", 64, 16, 8, 3, False, True),
-    Tile("c64x64", 64, 64, 8, 2, False, True),
-    Tile("c32x32w8", 32, 32, 8, 2, False, True),
-    Tile("c16x32", 16, 32, 4, 2, False, True),
-    Tile("old", 16, 32, 4, 2, False, False, old_splits=True),
+    Tile("t64x64", 64, 64, 8, 2, True, False, 64),
+    Tile("t64x64l", 64, 64, 8, 2, True, True, 64),
+    Tile("t64x32", 64, 32, 8, 2, True, False, 64),
+    Tile("t64x32s3", 64, 32, 8, 3, True, False, 64),
+    Tile("c64x64", 64, 64, 8, 2, False, True, 16),  # the default on 16-token blocks
+    Tile("c64x64e", 64, 64, 8, 2, False, False, 16),
+    Tile("c64x32", 64, 32, 8, 2, False, True, 16),
+    Tile("c32x32w8", 32, 32, 8, 2, False, True, 16),
+    Tile("old", 16, 32, 4, 2, False, False, 16, old_splits=True),
 ]
 TILES_16 = [
-    Tile("c16x32", 16, 32, 4, 2, False, True),
-    Tile("c16x64", 16, 64, 4, 2, False, True),
-    Tile("c16x32s3", 16, 32, 4, 3, False, True),
-    Tile("c16x64s3", 16, 64, 4, 3, False, True),
-    Tile("c16x16", 16, 16, 4, 2, False, True),
-    Tile("old", 16, 32, 4, 2, False, False, old_splits=True),
+    Tile("t16x32s3", 16, 32, 4, 3, True, False, 64),
+    Tile("c16x32b64", 16, 32, 4, 2, False, True, 64),
+    Tile("c16x32", 16, 32, 4, 2, False, True, 16),
+    Tile("t16x32s3l", 16, 32, 4, 3, True, True, 64),
+    Tile("t16x32l", 16, 32, 4, 2, True, True, 64),
+    Tile("t16x64l", 16, 64, 4, 2, True, True, 64),
+    Tile("c16x64", 16, 64, 4, 2, False, True, 16),
+    Tile("old", 16, 32, 4, 2, False, False, 16, old_splits=True),
 ]
+CONFIG_BLOCK_SIZE = 64  # the block size mla_config is asked about (engine default)
 
 
 def tiles_for(heads: int) -> list[Tile]:
@@ -156,12 +161,14 @@ def compile_jobs(sms: int) -> list[tuple[int, int, Tile, bool]]:
 # ----------------------------------------------------------------------------- inputs
 
 
-def make_inputs(batch: int, heads: int, ctx: int, *, spare_blocks: int = 0, seed: int = 0):
+def make_inputs(
+    batch: int, heads: int, ctx: int, *, block_size: int, spare_blocks: int = 0, seed: int = 0
+):
     dev = DEV
     g = torch.Generator(device=dev).manual_seed(seed)
-    width = ctx // BLOCK_SIZE
+    width = triton.cdiv(ctx, block_size)
     blocks = batch * width + spare_blocks
-    cache = torch.randn(blocks, BLOCK_SIZE, 1, L + R, device=dev, generator=g).to(torch.bfloat16)
+    cache = torch.randn(blocks, block_size, 1, L + R, device=dev, generator=g).to(torch.bfloat16)
     table = torch.randperm(blocks, device=dev, generator=g)[: batch * width]
     table = table.view(batch, width).to(torch.int32).contiguous()
     q_lat = torch.randn(batch, heads, L, device=dev, generator=g).to(torch.bfloat16)
@@ -183,7 +190,7 @@ def _first_line(err: Exception) -> str:
 def run_kwargs(tile: Tile, splits: int) -> dict:
     return dict(
         num_splits=splits, block_h=tile.block_h, block_n=tile.block_n, num_warps=tile.warps,
-        num_stages=tile.stages, defer_pv=tile.defer, lazy_rescale=tile.lazy,
+        num_stages=tile.stages, paged_tma=tile.tma, lazy_rescale=tile.lazy,
     )  # fmt: skip
 
 
@@ -192,7 +199,7 @@ def _compile_worker(job: tuple[int, int, Tile, bool]) -> tuple[str, str, float]:
     heads, ctx, tile, direct = job
     t0 = time.time()
     try:
-        args = make_inputs(2, heads, ctx)
+        args = make_inputs(2, heads, ctx, block_size=tile.block_size)
         triton_mla.mla_decode(*args, max_seq_len=ctx, **run_kwargs(tile, 1 if direct else 2))
         _sync()
         status = "ok"
@@ -246,9 +253,9 @@ class ShapeRunner:
 
         self.batch, self.heads, self.ctx = shape
         self.rep = rep
-        self.args = make_inputs(*shape, spare_blocks=1)
         self.ws = Workspace(DEV)
-        self.ref = mla_ref.mla_decode(*self.args, max_seq_len=self.ctx)
+        self.inputs = {}  # block size -> (args, reference output)
+        self.reference = mla_ref.mla_decode
         self.bytes = self.batch * self.ctx * (L + R) * 2
         self.flops = 2 * self.batch * self.heads * self.ctx * (2 * L + R)
 
@@ -256,17 +263,20 @@ class ShapeRunner:
         from triton.testing import do_bench_cudagraph
 
         kwargs = run_kwargs(tile, splits)
+        if tile.block_size not in self.inputs:
+            args = make_inputs(self.batch, self.heads, self.ctx, block_size=tile.block_size,
+                               spare_blocks=1)  # fmt: skip
+            self.inputs[tile.block_size] = args, self.reference(*args, max_seq_len=self.ctx)
+        args, ref = self.inputs[tile.block_size]
 
         def fn() -> torch.Tensor:
-            return triton_mla.mla_decode(
-                *self.args, max_seq_len=self.ctx, workspace=self.ws, **kwargs
-            )
+            return triton_mla.mla_decode(*args, max_seq_len=self.ctx, workspace=self.ws, **kwargs)
 
         res = Result(self.batch, self.heads, self.ctx, tile.name, splits, None, None, None, None)
         try:
             out = fn()
             _sync()
-            res.err = rel_err(out, self.ref)
+            res.err = rel_err(out, ref)
             if DEV == "cuda":
                 ms = do_bench_cudagraph(fn, rep=self.rep, return_mode="median")
             else:  # --smoke: one interpreted call, timed on the host
@@ -286,10 +296,10 @@ class ShapeRunner:
 
 
 def describe(tile: Tile) -> str:
-    loop = "defer" if tile.defer else "chain"
+    loads = f"{'tma' if tile.tma else 'ptr'} bs{tile.block_size:<2}"
     rescale = "lazy " if tile.lazy else "eager"
     shape = f"bh{tile.block_h:<3}bn{tile.block_n:<3}w{tile.warps} s{tile.stages}"
-    return f"{tile.name:<9} {shape} {loop} {rescale}"
+    return f"{tile.name:<9} {shape} {loads} {rescale}"
 
 
 def print_result(tile: Tile, res: Result, tag: str = "") -> None:
@@ -330,10 +340,10 @@ def main() -> None:
         else 132
     )
     if dry:
-        print(f"# dry run (SMs taken as {sms}); shapes (B, H, ctx), L={L} R={R} bs={BLOCK_SIZE}")
+        print(f"# dry run (SMs taken as {sms}); shapes (B, H, ctx), L={L} R={R}")
         for batch, heads, ctx in SHAPES:
-            cfg = triton_mla.mla_config(batch, heads, L, ctx, sms)
-            print(f"B={batch} H={heads} ctx={ctx}: mla_config (bh, bn, warps, stages, S) = {cfg}")
+            cfg = triton_mla.mla_config(batch, heads, L, ctx, sms, 2, CONFIG_BLOCK_SIZE)
+            print(f"B={batch} H={heads} ctx={ctx}: mla_config: {cfg}")
             for tile in tiles_for(heads):
                 s1 = heuristic_splits(tile, batch, heads, ctx, sms)
                 s2 = neighbour_splits(tile, batch, heads, ctx, sms)
@@ -370,11 +380,11 @@ def main() -> None:
     print("\n## stage 1: every tile at its heuristic split count", flush=True)
     for shape in SHAPES:
         runners[shape] = ShapeRunner(shape, args.rep)
-        cfg = triton_mla.mla_config(shape[0], shape[1], L, shape[2], sms)
+        cfg = triton_mla.mla_config(shape[0], shape[1], L, shape[2], sms, 2, CONFIG_BLOCK_SIZE)
         for tile in tiles_for(shape[1]):
             tag = ""
             splits = heuristic_splits(tile, *shape, sms)
-            if tile is tiles_for(shape[1])[0] and splits == cfg[4]:
+            if tile is tiles_for(shape[1])[0] and splits == cfg.num_splits:
                 tag = "  <- mla_config"
             timed(shape, tile, splits, tag)
         # Stage 2 right away (the inputs are still on the GPU).
@@ -403,12 +413,12 @@ def main() -> None:
         if not rows:
             continue
         best_t, best = min(rows, key=lambda tr: tr[1].us)
-        cfg = triton_mla.mla_config(shape[0], shape[1], L, shape[2], sms)
+        cfg = triton_mla.mla_config(shape[0], shape[1], L, shape[2], sms, 2, CONFIG_BLOCK_SIZE)
         head = tiles_for(shape[1])[0]
-        heur = next((r for t, r in rows if t is head and r.splits == cfg[4]), None)
+        heur = next((r for t, r in rows if t is head and r.splits == cfg.num_splits), None)
         old = next((r for t, r in rows if t.old_splits), None)
         label = f"B={shape[0]} H={shape[1]} ctx={shape[2]}"
-        heur_s = f"{head.name} S={cfg[4]} {heur.us:.1f}us" if heur else "n/a"
+        heur_s = f"{head.name} S={cfg.num_splits} {heur.us:.1f}us" if heur else "n/a"
         best_s = f"{best_t.name} S={best.splits} {best.us:.1f}us"
         ratio = f"{heur.us / best.us:9.2f}" if heur else f"{'n/a':>9}"
         old_s = f"{old.us:8.1f}u" if old else f"{'n/a':>9}"

@@ -54,6 +54,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import torch  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from kernels import moe as moe_ref  # noqa: E402
 from kernels import triton_moe as tm  # noqa: E402
@@ -229,7 +230,7 @@ def _plain(a):
     """A launch argument as a spawned compile worker can take it."""
     if isinstance(a, torch.Tensor):
         return a.dtype
-    if isinstance(a, tm.TensorDescriptor):
+    if isinstance(a, TensorDescriptor):
         return _DescSpec((a.base.dtype, list(a.shape), list(a.strides), list(a.block_shape)))
     return a
 
@@ -241,7 +242,7 @@ def _compile_worker(name: str, args: tuple, kwargs: dict) -> str | None:
     try:
         from triton.runtime.jit import MockTensor
 
-        args = tuple(tm.TensorDescriptor(MockTensor(a[0], a[1]), *a[1:])
+        args = tuple(TensorDescriptor(MockTensor(a[0], a[1]), *a[1:])
                      if isinstance(a, _DescSpec) else a for a in args)  # fmt: skip
         getattr(tm, name).warmup(*args, grid=(1,), **kwargs)
         return None

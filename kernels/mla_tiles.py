@@ -1,15 +1,18 @@
 """MLA decode tile choice for kernels/triton_mla.py: heads per program
-(BLOCK_H), rows per tile, warps, stages, and the split count from a small cost
+(BLOCK_H), rows per tile, warps, stages, whole pages through TMA or rows
+through pointers, the rescale variant, and the split count from a small cost
 model. Host ints only (no device reads), so a CUDA graph captured for a batch
 size stays valid for any context; the tile shape depends on (num_heads,
-latent_dim) alone, so a model compiles one split kernel (two: S = 1 writes the
-output directly). Values set from the H200 sweep (benchmarks/sweep_mla.py).
+latent_dim, the cache's element size and block size) alone, so a model
+compiles one split kernel (two: S = 1 writes the output directly). Values set
+from the H200 sweep (benchmarks/sweep_mla.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import triton
 
@@ -18,7 +21,14 @@ import triton
 _HEADS_PER_PROGRAM = ((64, 64), (32, 32), (0, 16))
 # BLOCK_N per BLOCK_H (H200 sweep: 64 heads x 64 rows best for 128 heads; 16 x 32 for 16).
 _BLOCK_N = {64: 64, 32: 32, 16: 32}
-_NUM_STAGES = 2
+_NUM_STAGES = 2  # pointer (cp.async) tiles
+# Tiles that load whole pages through TMA when the cache's block size allows,
+# with their stage count (H200 sweep, 2026-12-03, 64-token blocks): bf16 at
+# 64 heads (two stages of [64, L + R] plus the [64, L + R] query fill 216 of
+# 227 KB of shared memory; B=64 x ctx 4096: 252 us vs 393 through pointers)
+# and at 16 heads (a TP-8 shard; 105 vs 119 us). 32-head tiles have no TMA
+# variant measured (their sm_90 build spills ~1 KB per thread).
+_NUM_STAGES_TMA = {64: 2, 16: 3}
 
 # --- split count: a small cost model over host ints (per-GPU constants, H200)
 _ASSUMED_TFLOPS = 400.0  # achieved bf16 MMA rate of the split kernel, whole GPU
@@ -75,16 +85,35 @@ def _num_splits_for(
     return next(s for s, c in enumerate(costs, start=1) if c <= best * 1.03)
 
 
+class MLAConfig(NamedTuple):
+    block_h: int  # heads per program
+    block_n: int  # latent rows per tile
+    num_warps: int
+    num_stages: int
+    num_splits: int  # runtime argument: any value shares one compiled kernel
+    # Whole tiles as one TMA copy per operand: possible when a tile never
+    # straddles cache blocks (block_size a multiple of block_n). Measured on
+    # the H200 (B=64, 128 heads, ctx 4096): 251 us against 383 through
+    # pointers, whose per-row address math pushes the kernel past 255
+    # registers into spills.
+    paged_tma: bool
+    # Rescale the accumulator only when a row's max grows by more than the
+    # kernel's threshold (an `if` per tile) instead of every tile. Pays with
+    # pointer tiles (sweep); with TMA tiles the branch's extra live registers
+    # spill (sm_90: 104 bytes of stack) and eager is faster (251 vs 283 us).
+    lazy_rescale: bool
+
+
 @functools.lru_cache(maxsize=4096)
 def mla_config(
     num_seqs: int, num_heads: int, latent_dim: int, max_seq_len: int, num_sms: int,
-    elem_bytes: int = 2,
-) -> tuple[int, int, int, int, int]:  # fmt: skip
-    """(block_h, block_n, num_warps, num_stages, num_splits) from host ints only,
-    so a CUDA graph captured for a batch size stays valid for any seq_lens up
-    to max_seq_len. The tile shape depends on (num_heads, latent_dim, the
-    element size) alone; only num_splits (a runtime argument) follows the
-    batch and the context."""
+    elem_bytes: int = 2, block_size: int = 16,
+) -> MLAConfig:  # fmt: skip
+    """The kernel configuration from host ints only, so a CUDA graph captured
+    for a batch size stays valid for any seq_lens up to max_seq_len. The tile
+    depends on (num_heads, latent_dim, the element size, the cache's
+    block_size) alone; only num_splits (a runtime argument) follows the batch
+    and the context."""
     block_h = _block_h_for(num_heads)
     block_n = _BLOCK_N[block_h]
     if elem_bytes > 2:
@@ -93,5 +122,10 @@ def mla_config(
         # in fp32 would not at DeepSeek-V3's widths (64 heads x 576 + 2
         # stages of 64 rows x 576, in 4-byte elements: > 227 KB).
         block_h, block_n = max(16, block_h // 2), max(16, block_n // 2)
+    paged_tma = elem_bytes <= 2 and block_h in _NUM_STAGES_TMA and block_size % block_n == 0
+    stages = _NUM_STAGES_TMA[block_h] if paged_tma else _NUM_STAGES
     num_splits = _num_splits_for(num_seqs, num_heads, block_h, latent_dim, max_seq_len, num_sms)
-    return block_h, block_n, _warps_for(block_h, latent_dim), _NUM_STAGES, num_splits
+    return MLAConfig(
+        block_h, block_n, _warps_for(block_h, latent_dim), stages, num_splits, paged_tma,
+        lazy_rescale=not paged_tma,
+    )  # fmt: skip

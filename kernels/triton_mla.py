@@ -10,7 +10,8 @@ same, so models/mla.py never knows which backend runs.
 Must never (each one breaks CUDA-graph capture or replay):
   - read a device tensor on the host (.item(), .tolist(), boolean indexing);
   - size a grid or pick a kernel from tensor *contents*: the configuration
-    comes only from host ints (B, H, L, max_seq_len, the SM count);
+    comes only from host ints (B, H, L, max_seq_len, the SM count, the
+    cache's block size);
   - allocate scratch outside the workspace arena when one is given (the output
     is allocated with torch.empty; that is the caller's tensor, not scratch).
 
@@ -36,35 +37,46 @@ partial that the reduce reads back: at H=128 that traffic rivals the cache's).
 The grid puts the head blocks of a sequence next to each other, so the second
 block finds the latent tiles in L2.
 
-Deferred PV (DEFER_PV). With 64 heads and 8 warps (two warpgroups), Triton
-lays out a dot whose result feeds another dot in the same iteration (QK ->
-softmax -> PV) with all warps along M; at M = 64 that replicates the whole QK
-product on both warpgroups (~1.5x the MMA work). The deferred loop computes
-tile i's PV product in iteration i + 1 from carried weights and the tile's
-rows re-read (an L2 hit), so no value flows from an iteration's QK to its PV
-and the warpgroups split the QK columns instead. Costs: one extra tile read
-from L2 per step and a second shared-memory ring (217 KB in all at BLOCK_N=32,
-2 stages). Measured on the H200 (benchmarks/sweep_mla.py, 2026-12-02), the
-chained loop with 64-row tiles (BLOCK_N=64) beats every deferred config
-(B=64, H=128, ctx 4096: 383 us vs 450 us for the best deferred one), so the
-default is the chained loop and the deferred one stays an override.
+Loads. With a cache block size that is a multiple of BLOCK_N (64 for
+DeepSeek models on CUDA: EngineConfig's block-size default), a whole tile
+lies in one cache block, so each tile is one TMA copy per operand (latent,
+rope) from a descriptor over the cache viewed as [rows, L] / [rows, R],
+issued by one thread and completing on an mbarrier; only a split's last,
+partial tile goes through pointers (masked rows read 0, so nothing past the
+context is ever loaded). Otherwise every tile is gathered row by row through
+pointers (cp.async), each row looking up its own block id. The pointer path
+costs registers: its per-row addresses push the kernel (64 heads, 8 warps)
+past 255 registers per thread into spills (sm_90). Measured on the H200,
+B=64, H=128, ctx 4096 (benchmarks/sweep_mla.py, 2026-12-03): 251 us with TMA
+pages vs 383 us through pointers.
+
+Why the QK product runs twice. With 64 heads and 8 warps (two warpgroups),
+Triton lays out a dot whose result feeds another dot in the same iteration
+(QK -> softmax -> PV) with all warps along M; at M = 64 that replicates the
+QK product (and the softmax) on both warpgroups, ~1.5x the MMA work, while
+the PV product splits its 512 columns between them. The ways out cost more
+than they save in Triton 3.6: 128 heads per program need a [128, 512] fp32
+accumulator (256 registers per thread at 8 warps); a deferred PV (tile i's PV
+in iteration i + 1, its rows re-read from L2) measured 450 us against the
+chained loop's 383 (pointer tiles, 2026-12-02, since removed). FlashMLA
+avoids it with warp-specialized warpgroups that exchange the softmax weights
+through shared memory, which Triton does not express.
 
 Tunables (defaults set from that sweep, which times a grid of them per shape
-and prints the heuristic's pick next to the best):
-  - in kernels/mla_tiles.py: _HEADS_PER_PROGRAM (BLOCK_H per head count),
-    _BLOCK_N, _NUM_STAGES, num_warps (_warps_for: 8 for a [64, 512] tile), and
-    the split cost model (_ASSUMED_TFLOPS, _ASSUMED_HBM_TBS, _SPLIT_LAUNCH_US,
-    _RESIDENT_PROGRAMS, _MIN_SPLIT_TOKENS, MAX_SPLITS);
-  - here: defer_pv, the deferred loop (off by default; see above), and
-    _LAZY_RESCALE: rescale the accumulator only when a row's running max grows
-    by more than _RESCALE_THRESHOLD (log2 units), instead of every tile.
+and prints the heuristic's pick next to the best), in kernels/mla_tiles.py:
+_HEADS_PER_PROGRAM (BLOCK_H per head count), _BLOCK_N, _NUM_STAGES(_TMA),
+num_warps (_warps_for: 8 for a [64, 512] tile), the rescale variant (lazy:
+rescale the accumulator only when a row's running max grows by more than
+_RESCALE_THRESHOLD here, in log2 units; eager: every tile), and the split
+cost model (_ASSUMED_TFLOPS, _ASSUMED_HBM_TBS, _SPLIT_LAUNCH_US,
+_RESIDENT_PROGRAMS, _MIN_SPLIT_TOKENS, MAX_SPLITS).
 
-Compiled variants. The tile shape depends only on (num_heads, latent_dim),
-constant for a model, and num_splits is a runtime argument
-(do_not_specialize), so across every batch size and context a model compiles
-exactly two split kernels (DIRECT: num_splits == 1 writes `out` itself, or
-not) plus one reduce kernel: warmup over the capture sizes compiles them all
-before any CUDA graph is captured.
+Compiled variants. The tile shape depends only on (num_heads, latent_dim,
+the cache's dtype and block size), constant for a model, and num_splits is a
+runtime argument (do_not_specialize), so across every batch size and context
+a model compiles exactly two split kernels (DIRECT: num_splits == 1 writes
+`out` itself, or not) plus one reduce kernel: warmup over the capture sizes
+compiles them all before any CUDA graph is captured.
 
 Numerics: softmax bookkeeping in fp32 in the log2 domain (scale * log2(e)
 folded into one multiplier, exp2 instead of exp); on the GPU the dots take the
@@ -91,9 +103,9 @@ from kernels.mla_tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: t
     _warps_for,
     mla_config,
 )
+from kernels.tma import descriptor, tma_ok
 from kernels.triton_attention import LOG2E, _interpreting, _num_sms, dot_precision
 
-_LAZY_RESCALE = True
 # A running max may lag the true one by up to this much (log2 units) before the
 # accumulator is rescaled: softmax weights then reach 2^8, harmless in fp32 and
 # in bf16 (whose relative precision does not depend on magnitude).
@@ -119,21 +131,86 @@ def _load_rows(row_ptrs, row_ok, offs, WIDTH: tl.constexpr, BLOCK: tl.constexpr)
         )  # fmt: skip
 
 
+@device_fn
+def _gather_tile(
+    cache_ptr, bt_row, n, end, stride_cb, stride_cs,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Rows n .. n + BLOCK_N of a sequence through pointers: (latent
+    [BLOCK_N, BLOCK_L], rope [BLOCK_N, BLOCK_R], live-row mask). The tile may
+    straddle cache blocks, so each row looks up its own block id; rows at or
+    past `end` read 0 (their block id is not loaded either)."""
+    pos = n + tl.arange(0, BLOCK_N)
+    pos_ok = pos < end
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+    lat = _load_rows(row, pos_ok, tl.arange(0, BLOCK_L), LATENT, BLOCK_L)
+    rope = _load_rows(row + LATENT, pos_ok, tl.arange(0, BLOCK_R), ROPE, BLOCK_R)
+    return lat, rope, pos_ok
+
+
+@device_fn
+def _attend_tile(
+    q_lat, q_rope, lat, rope, pos_ok, acc, m_i, l_i, qk_scale,
+    MASKED: tl.constexpr, LAZY_RESCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over a [BLOCK_N] tile for all BLOCK_H heads:
+    scores = (q_lat @ lat^T + q_rope @ rope^T) * qk_scale (log2 units), then
+    acc += 2^(scores - m) @ lat. MASKED: rows where pos_ok is False get weight
+    0 (a tile past the context's end); the tile has >= 1 live row."""
+    if UPCAST:
+        lat = lat.to(tl.float32)
+        rope = rope.to(tl.float32)
+    s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
+    s = tl.dot(q_rope, tl.trans(rope), s, input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:  # rows past `end` may hold another sequence's data
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+    m_tile = tl.max(s, 1)
+    if LAZY_RESCALE:
+        # Rebase (all rows at once) only when some row's max outgrew the
+        # running one by > RESCALE_THRESHOLD; the first tile always does
+        # (m_i = -inf). Otherwise weights are taken against the stale max.
+        if tl.max(m_tile - m_i, 0) > RESCALE_THRESHOLD:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])
+    l_i += tl.sum(p, 1)
+    acc = tl.dot(p.to(lat.dtype), lat, acc, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for any split count
 def _mla_split_kernel(
-    q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_lat_ptr, q_rope_ptr, cache_ptr, lat_desc, rope_desc, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, num_splits, num_heads,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cb, stride_cs, stride_bt,
     stride_ob, stride_oh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DIRECT: tl.constexpr, LAZY_RESCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
-    DEFER_PV: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, PAGED_TMA: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    RESCALE_THRESHOLD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(H, BLOCK_H), B, num_splits): the head blocks of one
     sequence are adjacent program ids, so they run together and the second
     one finds the latent tiles in L2.
+
+    PAGED_TMA (BLOCK_SIZE a multiple of BLOCK_N): every whole tile lies in one
+    cache block, so it is one TMA copy per operand through lat_desc /
+    rope_desc (descriptors over the cache viewed as [rows, L] and [rows, R]);
+    a split's last, partial tile goes through pointers, masked. Otherwise
+    every tile goes through pointers (lat_desc / rope_desc are unused).
 
     DIRECT (num_splits == 1): write the normalized output straight to `out`.
     Otherwise write the chunk's normalized partial output and its log2-sum-exp
@@ -174,102 +251,40 @@ def _mla_split_kernel(
         q_rope = q_rope.to(tl.float32)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if UPCAST:
-        mma_ty = tl.float32
-    else:
-        mma_ty = cache_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    # DEFER_PV state: the previous tile's weights, row pointers, live rows and
-    # rescale factor. Initially an empty tile (no live rows, weights 0).
-    p_prev = tl.zeros([BLOCK_H, BLOCK_N], dtype=mma_ty)
-    row_prev = cache_ptr + tl.zeros([BLOCK_N], dtype=tl.int64)
-    ok_prev = tl.arange(0, BLOCK_N) < 0
-    alpha_prev = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
-    rescale_prev = start < 0  # False, as a loop-carried scalar
-    for n in range(start, end, BLOCK_N):
-        if DEFER_PV:
-            # The previous tile's PV product, from its rows re-read (an L2
-            # hit): nothing this iteration's QK product computes flows into
-            # it, so Triton lays the QK MMA out by columns across the two
-            # warpgroups instead of replicating it on both (what it does for
-            # a QK -> softmax -> PV chain with BLOCK_H = 64 < 16 * warps).
-            lat_prev = _load_rows(row_prev, ok_prev, offs_l, LATENT, BLOCK_L)
-            if UPCAST:
-                lat_prev = lat_prev.to(tl.float32)
-            if LAZY_RESCALE:
-                if rescale_prev:
-                    acc = acc * alpha_prev[:, None]
-            else:
-                acc = acc * alpha_prev[:, None]
-            acc = tl.dot(p_prev, lat_prev, acc, input_precision=DOT_PRECISION)
-
-        pos = n + tl.arange(0, BLOCK_N)
-        pos_ok = pos < end
-        # Paged gather: a tile may straddle cache blocks (BLOCK_N / BLOCK_SIZE
-        # table entries), so each row looks up its own block id. Masked rows
-        # read block 0 but load nothing.
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
-        lat = _load_rows(row, pos_ok, offs_l, LATENT, BLOCK_L)
-        rope = _load_rows(row + LATENT, pos_ok, offs_r, ROPE, BLOCK_R)
-        if UPCAST:
-            lat = lat.to(tl.float32)
-            rope = rope.to(tl.float32)
-        if DEFER_PV:
-            # Two independent dots: scaling each before the sum stops Triton
-            # folding the add into a dot -> dot accumulator chain (which would
-            # again lay the latent QK out as a chain head).
-            s = (
-                tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION) * qk_scale
-                + tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION) * qk_scale
-            )
-        else:
-            s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
-            s = tl.dot(q_rope, tl.trans(rope), s, input_precision=DOT_PRECISION) * qk_scale
-        # Rows past `end` may hold another sequence's data: zero weight.
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        # Every tile has >= 1 live row (start < end), so m_tile is finite.
-        m_tile = tl.max(s, 1)
-        if LAZY_RESCALE:
-            # Rebase (all rows at once) only when some row's max outgrew the
-            # running one by > RESCALE_THRESHOLD; the first tile always does
-            # (m_i = -inf). Otherwise weights are taken against the stale max.
-            rescale = tl.max(m_tile - m_i, 0) > RESCALE_THRESHOLD
-            if rescale:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                m_i = m_new
-                if not DEFER_PV:
-                    acc = acc * alpha[:, None]
-            else:
-                alpha = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
-        else:
-            rescale = start >= 0  # always
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            m_i = m_new
-            if not DEFER_PV:
-                acc = acc * alpha[:, None]
-        p = tl.exp2(s - m_i[:, None])
-        l_i += tl.sum(p, 1)
-        if DEFER_PV:
-            p_prev = p.to(mma_ty)
-            row_prev = row
-            ok_prev = pos_ok
-            alpha_prev = alpha
-            rescale_prev = rescale
-        else:
-            acc = tl.dot(p.to(mma_ty), lat, acc, input_precision=DOT_PRECISION)
-    if DEFER_PV:  # the last tile's PV (adds 0 when the loop never ran)
-        lat_prev = _load_rows(row_prev, ok_prev, offs_l, LATENT, BLOCK_L)
-        if UPCAST:
-            lat_prev = lat_prev.to(tl.float32)
-        acc = acc * alpha_prev[:, None]
-        acc = tl.dot(p_prev, lat_prev, acc, input_precision=DOT_PRECISION)
+    if PAGED_TMA:
+        whole_end = start + (end - start) // BLOCK_N * BLOCK_N
+        for n in range(start, whole_end, BLOCK_N):
+            row = tl.load(bt_row + n // BLOCK_SIZE) * BLOCK_SIZE + n % BLOCK_SIZE
+            lat = lat_desc.load([row, 0])
+            rope = rope_desc.load([row, 0])
+            acc, m_i, l_i = _attend_tile(
+                q_lat, q_rope, lat, rope, None, acc, m_i, l_i, qk_scale,
+                False, LAZY_RESCALE, RESCALE_THRESHOLD, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+        # An `if`, not a loop: a second pipelined loop would claim its own
+        # shared-memory ring, which the TMA loop's ring leaves no room for.
+        if whole_end < end:
+            lat, rope, pos_ok = _gather_tile(
+                cache_ptr, bt_row, whole_end, end, stride_cb, stride_cs,
+                LATENT, ROPE, BLOCK_L, BLOCK_R, BLOCK_N, BLOCK_SIZE,
+            )  # fmt: skip
+            acc, m_i, l_i = _attend_tile(
+                q_lat, q_rope, lat, rope, pos_ok, acc, m_i, l_i, qk_scale,
+                True, LAZY_RESCALE, RESCALE_THRESHOLD, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        for n in range(start, end, BLOCK_N):
+            lat, rope, pos_ok = _gather_tile(
+                cache_ptr, bt_row, n, end, stride_cb, stride_cs,
+                LATENT, ROPE, BLOCK_L, BLOCK_R, BLOCK_N, BLOCK_SIZE,
+            )  # fmt: skip
+            acc, m_i, l_i = _attend_tile(
+                q_lat, q_rope, lat, rope, pos_ok, acc, m_i, l_i, qk_scale,
+                True, LAZY_RESCALE, RESCALE_THRESHOLD, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
 
     # l_i == 0 only for an empty context (seq_len 0, a padding row): output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -341,14 +356,15 @@ def mla_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     lazy_rescale: bool | None = None,
-    defer_pv: bool | None = None,
+    paged_tma: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.mla.mla_decode; returns [B, H, L] in q_latent.dtype.
 
-    num_splits / block_h / block_n / num_warps / num_stages override
-    mla_config's choices, lazy_rescale / defer_pv the loop variant (tests and
-    benchmarks/sweep_mla.py); a block_h override also re-derives the split
-    count and warps unless those are given too. Every override is a host value,
+    num_splits / block_h / block_n / num_warps / num_stages / lazy_rescale /
+    paged_tma override mla_config's choices (tests and benchmarks/sweep_mla.py);
+    a block_h override also re-derives the split count and warps unless those
+    are given too. paged_tma=True where the cache's block size or alignment
+    rules TMA out still loads through pointers. Every override is a host value,
     so the overridden call is exactly as graph-safe as the default one."""
     num_seqs, num_heads, latent_dim = q_latent.shape
     block_size, width = latent_cache.shape[1], latent_cache.shape[3]
@@ -373,19 +389,39 @@ def mla_decode(
     if num_seqs == 0:
         return out
     num_sms = _num_sms(q_latent.device)
-    cfg_h, cfg_n, cfg_warps, cfg_stages, cfg_splits = mla_config(
-        num_seqs, num_heads, latent_dim, max_seq_len, num_sms, latent_cache.element_size()
+    cfg = mla_config(
+        num_seqs, num_heads, latent_dim, max_seq_len, num_sms, latent_cache.element_size(),
+        block_size,
+    )  # fmt: skip
+    if block_h is not None and block_h != cfg.block_h:
+        cfg = cfg._replace(
+            num_warps=_warps_for(block_h, latent_dim),
+            num_splits=_num_splits_for(
+                num_seqs, num_heads, block_h, latent_dim, max_seq_len, num_sms
+            ),
+        )  # fmt: skip
+    block_h = block_h or cfg.block_h
+    block_n = block_n or cfg.block_n
+    num_warps = num_warps or cfg.num_warps
+    num_stages = num_stages if num_stages is not None else cfg.num_stages
+    num_splits = num_splits or cfg.num_splits
+    tma = cfg.paged_tma if paged_tma is None else paged_tma
+    lazy = cfg.lazy_rescale if lazy_rescale is None else lazy_rescale
+    block_l = max(16, triton.next_power_of_2(latent_dim))
+    block_r = max(16, triton.next_power_of_2(rope_dim))
+    rows = latent_cache.shape[0] * block_size
+    row_stride = latent_cache.stride(1)
+    tma = (
+        tma
+        and block_size % block_n == 0  # a whole tile never straddles two cache blocks
+        and latent_cache.stride(0) == block_size * row_stride  # blocks abut: [rows, width]
+        and tma_ok(latent_cache[..., :latent_dim], rows, row_stride)
+        and tma_ok(latent_cache[..., latent_dim:], rows, row_stride)
     )
-    if block_h is not None and block_h != cfg_h:
-        cfg_warps = _warps_for(block_h, latent_dim)
-        cfg_splits = _num_splits_for(num_seqs, num_heads, block_h, latent_dim, max_seq_len, num_sms)
-    block_h = block_h or cfg_h
-    block_n = block_n or cfg_n
-    num_warps = num_warps or cfg_warps
-    num_stages = num_stages if num_stages is not None else cfg_stages
-    num_splits = num_splits or cfg_splits
-    lazy = _LAZY_RESCALE if lazy_rescale is None else lazy_rescale
-    defer = bool(defer_pv)
+    lat_desc = rope_desc = latent_cache  # placeholders where pointers load instead
+    if tma:
+        lat_desc = descriptor(latent_cache[..., :latent_dim], rows, row_stride, [block_n, block_l])
+        rope_desc = descriptor(latent_cache[..., latent_dim:], rows, row_stride, [block_n, block_r])
     direct = num_splits == 1
     if direct:  # no partials: the split kernel writes `out` itself
         part_out = part_lse = out
@@ -401,17 +437,15 @@ def mla_decode(
         part_lse = torch.empty(
             num_seqs, num_heads, num_splits, dtype=torch.float32, device=out.device
         )
-    block_l = max(16, triton.next_power_of_2(latent_dim))
     _mla_split_kernel[(triton.cdiv(num_heads, block_h), num_seqs, num_splits)](
-        q_latent, q_rope, latent_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, num_splits, num_heads,
+        q_latent, q_rope, latent_cache, lat_desc, rope_desc, block_tables, seq_lens,
+        out, part_out, part_lse, scale * LOG2E, num_splits, num_heads,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
+        latent_cache.stride(0), row_stride, block_tables.stride(0),
         out.stride(0), out.stride(1),
-        LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=block_l,
-        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, DIRECT=direct, LAZY_RESCALE=lazy,
-        RESCALE_THRESHOLD=_RESCALE_THRESHOLD, DEFER_PV=defer, UPCAST=_interpreting(),
+        LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, DIRECT=direct, PAGED_TMA=tma,
+        LAZY_RESCALE=lazy, RESCALE_THRESHOLD=_RESCALE_THRESHOLD, UPCAST=_interpreting(),
         DOT_PRECISION=dot_precision(latent_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not direct:

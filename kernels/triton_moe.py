@@ -49,7 +49,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.moe_gemm import _down_kernel, _gate_up_kernel
 from kernels.moe_tiles import (  # noqa: F401  (re-exported: tests and the sweep use them here)
@@ -66,6 +65,7 @@ from kernels.moe_tiles import (  # noqa: F401  (re-exported: tests and the sweep
     moe_size_class,
     moe_token_classes,
 )
+from kernels.tma import descriptor, tma_ok
 from kernels.triton_attention import _interpreting, dot_precision
 
 # ----------------------------------------------------------------------------- kernels
@@ -165,25 +165,10 @@ def _run(launches: list[Launch]) -> None:
         kernel[grid](*args, **kwargs)
 
 
-def _tma_ok(t: torch.Tensor, rows: int, row_stride: int) -> bool:
-    """Whether a descriptor can view t as [rows, t.shape[-1]] with this row
-    stride: TMA wants a 16-byte-aligned base and row stride (the last dim is
-    contiguous, checked by fused_moe) and at most 2^31 rows."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and row_stride * size % 16 == 0 and 0 < rows < 2**31
-
-
-def _desc(t: torch.Tensor, rows: int, row_stride: int, block: list[int]) -> TensorDescriptor:
-    """A descriptor over t viewed as 2-D [rows, t.shape[-1]], row stride
-    row_stride. Built on the host from host ints and t's (fixed) address: a
-    CUDA graph records it by value with the launch."""
-    return TensorDescriptor(t, [rows, t.shape[-1]], [row_stride, 1], block)
-
-
 def _w_desc_ok(w: torch.Tensor) -> bool:
     """w [E, N, K] viewable as [E*N, K] (rows of consecutive experts abut)."""
     rows = w.shape[0] * w.shape[1]
-    return w.stride(0) == w.shape[1] * w.stride(1) and _tma_ok(w, rows, w.stride(1))
+    return w.stride(0) == w.shape[1] * w.stride(1) and tma_ok(w, rows, w.stride(1))
 
 
 def _group(topk_ids: torch.Tensor, s: _Scratch) -> None:
@@ -217,12 +202,12 @@ def _gate_up_launch(x: torch.Tensor, w13: torch.Tensor, s: _Scratch, top_k: int,
     grid, group_m = _grid(num_pairs, num_experts, inter, c)
     launches = []
     tma_w = c["tma"] >= TMA_W and _w_desc_ok(w13)
-    tma_a = c["tma"] >= TMA_AW and s.xs is not None and _tma_ok(s.xs, num_pairs, s.xs.stride(0))
+    tma_a = c["tma"] >= TMA_AW and s.xs is not None and tma_ok(s.xs, num_pairs, s.xs.stride(0))
     if c["tma"] >= TMA_AW and s.xs is None:
         raise ValueError("fused_moe: tma=TMA_AW for gate_up needs _scratch(..., sorted_x=True)")
     w_arg = w13
     if tma_w:
-        w_arg = _desc(w13, num_experts * two_i, w13.stride(1), [c["block_n"], c["block_k"]])
+        w_arg = descriptor(w13, num_experts * two_i, w13.stride(1), [c["block_n"], c["block_k"]])
     tail = c["tail_m"] if tma_a else 0  # tails load by TMA only
     xt_arg = x
     if tma_a:
@@ -231,9 +216,9 @@ def _gate_up_launch(x: torch.Tensor, w13: torch.Tensor, s: _Scratch, top_k: int,
                          (x, s.order, s.xs, num_pairs, x.stride(0), s.xs.stride(0)),
                          dict(TOP_K=top_k, HIDDEN=hidden, BLOCK_R=8, BLOCK_D=block_d,
                               num_warps=4)))  # fmt: skip
-        x_arg = _desc(s.xs, num_pairs, s.xs.stride(0), [c["block_m"], c["block_k"]])
+        x_arg = descriptor(s.xs, num_pairs, s.xs.stride(0), [c["block_m"], c["block_k"]])
         if tail:
-            xt_arg = _desc(s.xs, num_pairs, s.xs.stride(0), [tail, c["block_k"]])
+            xt_arg = descriptor(s.xs, num_pairs, s.xs.stride(0), [tail, c["block_k"]])
     else:
         x_arg = x
     args = (x_arg, xt_arg, w_arg, s.act, s.order, s.counts,
@@ -254,15 +239,15 @@ def _down_launch(w2: torch.Tensor, s: _Scratch, c: dict[str, int]) -> list[Launc
     num_pairs = s.order.shape[0]
     grid, group_m = _grid(num_pairs, num_experts, hidden, c)
     tma_w = c["tma"] >= TMA_W and _w_desc_ok(w2)
-    tma_a = c["tma"] >= TMA_AW and _tma_ok(s.act, num_pairs, s.act.stride(0))
+    tma_a = c["tma"] >= TMA_AW and tma_ok(s.act, num_pairs, s.act.stride(0))
     w_arg, a_arg, at_arg = w2, s.act, s.act
     tail = c["tail_m"] if tma_a else 0  # tails load by TMA only
     if tma_w:
-        w_arg = _desc(w2, num_experts * hidden, w2.stride(1), [c["block_n"], c["block_k"]])
+        w_arg = descriptor(w2, num_experts * hidden, w2.stride(1), [c["block_n"], c["block_k"]])
     if tma_a:
-        a_arg = _desc(s.act, num_pairs, s.act.stride(0), [c["block_m"], c["block_k"]])
+        a_arg = descriptor(s.act, num_pairs, s.act.stride(0), [c["block_m"], c["block_k"]])
         if tail:
-            at_arg = _desc(s.act, num_pairs, s.act.stride(0), [tail, c["block_k"]])
+            at_arg = descriptor(s.act, num_pairs, s.act.stride(0), [tail, c["block_k"]])
     args = (a_arg, at_arg, w_arg, s.y, s.order, s.counts,
             s.act.stride(0), w2.stride(0), w2.stride(1), s.y.stride(0), group_m)  # fmt: skip
     kwargs = dict(

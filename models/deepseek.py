@@ -209,6 +209,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     _is_v3 = False
+    # EngineConfig's block_size default on CUDA with the Triton backend: the
+    # MLA decode kernel then loads each 64-row tile as one TMA copy of a whole
+    # page (kernels/triton_mla.py; 1.5x faster than gathering rows).
+    cuda_block_size = 64
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()

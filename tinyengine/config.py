@@ -32,7 +32,10 @@ class EngineConfig:
     tokenizer: str | None = None  # folder with tokenizer.json; defaults to `model`
     dtype: str = "auto"  # "auto": the checkpoint's torch_dtype on CUDA, float32 on CPU
     device: str = "auto"  # "auto": cuda when available
-    block_size: int = 16
+    # Tokens per KV-cache block. None: the model's choice on CUDA with the
+    # Triton backend (DeepSeek: 64, so MLA decode reads whole pages through
+    # TMA; vLLM forces 64 for FlashMLA likewise), else 16.
+    block_size: int | None = None
     # None: a device default. CUDA: 256 sequences, 8192 tokens per step (vLLM's).
     # CPU: 16 and 512, because startup profiles and warms up the worst step
     # and a CPU step of 8192 tokens takes tens of seconds even for a 135M model.
@@ -107,12 +110,12 @@ class EngineConfig:
             raise bad("attention_backend", f"must be one of {_BACKENDS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            optional = name != "block_size" and value is None
+            optional = value is None
             if not optional and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise bad(name, "must be a positive integer")
-        if self.block_size & (self.block_size - 1):
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise bad("block_size", "must be a power of two")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be a positive integer or None")
@@ -164,6 +167,18 @@ class EngineConfig:
                 "EngineConfig.cuda_graph_sizes must be a non-empty list of ints in "
                 f"[1, max_num_seqs={self.max_num_seqs}], got {self.cuda_graph_sizes!r}"
             )
+
+    def resolve_block_size(self, hf_config: dict[str, Any], device: str) -> int:
+        """Fill in block_size left to the default: the model class's
+        `cuda_block_size` on CUDA with the Triton backend (a kernel's
+        preference, e.g. whole-page TMA loads), else 16."""
+        if self.block_size is None:
+            self.block_size = 16
+            if device == "cuda" and self.resolved_attention_backend(device) == "triton":
+                from models.registry import get_model_class
+
+                self.block_size = getattr(get_model_class(hf_config), "cuda_block_size", 16)
+        return self.block_size
 
     def resolved_attention_backend(self, device: str) -> str:
         if self.attention_backend != "auto":

@@ -70,6 +70,7 @@ class LLMEngine:
         self.hf_config = hf_config
         device = config.resolved_device()
         config.resolve_limits(device)
+        config.resolve_block_size(hf_config, device)
         dtype = config.resolved_dtype(hf_config, device)
         config.resolve_max_model_len(hf_config)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]

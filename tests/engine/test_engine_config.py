@@ -60,3 +60,29 @@ def test_max_model_len_past_the_model_positions(tmp_path, monkeypatch, arch):
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     ref, _ = hf_greedy(path, [prompt], 12)
     assert out.outputs[0].token_ids == ref[0]
+
+
+def test_block_size_default_follows_the_model_on_cuda_triton():
+    """block_size=None (the default): 64 for DeepSeek (MLA) on CUDA with the
+    Triton backend, whose decode kernel then loads whole 64-token pages
+    through TMA (vLLM forces 64 for FlashMLA likewise); 16 for every other
+    model, device or backend; an explicit value always stands. Resolution
+    reads only config.json and the model class, so it runs without a GPU."""
+    deepseek = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512}
+    llama = {"architectures": ["LlamaForCausalLM"]}
+
+    def resolved(hf_config, device, **kwargs):
+        return EngineConfig("m", **kwargs).resolve_block_size(hf_config, device)
+
+    assert EngineConfig("m").block_size is None
+    assert resolved(deepseek, "cuda") == 64
+    assert resolved(deepseek, "cuda", attention_backend="torch") == 16
+    assert resolved(deepseek, "cpu") == 16
+    assert resolved(deepseek, "cpu", attention_backend="triton") == 16  # the interpreter
+    assert resolved(llama, "cuda") == 16
+    assert resolved(deepseek, "cuda", block_size=16) == 16
+    assert resolved(llama, "cpu", block_size=32) == 32
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        EngineConfig("m", block_size=48)
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        EngineConfig("m", block_size=0)

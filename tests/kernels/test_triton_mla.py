@@ -6,7 +6,8 @@ shapes stay tiny: L=32, R=16, 16-row cache blocks, contexts up to ~70 tokens,
 with BLOCK_N=16/32 so several tiles, block boundaries and splits are crossed.
 Every kernel path is pinned through mla_decode's overrides: head blocks of
 16/32/64 (with head counts that leave a partial block), BLOCK_N 16/32/64, the
-direct (one split) and split+reduce paths, the deferred-PV and chained loops,
+direct (one split) and split+reduce paths, whole tiles through TMA
+descriptors (cache blocks a multiple of BLOCK_N) or rows through pointers,
 lazy and eager rescaling. Cache slots no sequence owns, and block-table
 padding, hold NaN: any read outside a sequence's context shows up as NaN in
 the output.
@@ -97,28 +98,33 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
-# (block_h, block_n, num_splits, defer_pv, lazy_rescale): every loop shape.
+# (block_h, block_n, num_splits, lazy_rescale, paged_tma, block_size): every
+# loop shape. paged_tma: whole tiles through TMA descriptors (interpreted on
+# CPU), a split's partial last tile through pointers.
 PATHS = [
-    (16, 16, 1, False, False),  # the smallest tiles, direct, eager rescale
-    (16, 32, 3, False, True),
-    (32, 16, 2, False, True),
-    (32, 64, 1, True, False),
-    (64, 16, 1, True, True),  # the DeepSeek-V3 shape of the loop, direct
-    (64, 32, 2, True, False),
-    (64, 64, 8, True, True),  # 8 splits of 70 tokens in 64-row tiles: most are empty
-    (64, 32, 3, False, True),  # chained (non-deferred) PV at 64 heads
+    (16, 16, 1, False, False, 16),  # the smallest tiles, direct, eager rescale
+    (16, 32, 3, True, False, 16),  # 32-row tiles straddle 16-row blocks
+    (32, 16, 2, True, False, 16),
+    (64, 16, 1, True, False, 16),
+    (64, 64, 8, True, False, 16),  # 8 splits of 70 tokens in 64-row tiles: most are empty
+    (64, 32, 3, False, False, 16),
+    (16, 16, 1, False, True, 16),  # TMA: one tile per cache block
+    (64, 16, 2, False, True, 32),  # TMA: two tiles per cache block
+    (64, 32, 3, True, True, 32),
+    (32, 64, 1, False, True, 64),  # TMA: one 64-row page per tile (DeepSeek on CUDA)
+    (64, 64, 8, False, True, 64),
 ]
 
 
-@pytest.mark.parametrize(("block_h", "block_n", "splits", "defer", "lazy"), PATHS)
+@pytest.mark.parametrize(("block_h", "block_n", "splits", "lazy", "tma", "block_size"), PATHS)
 def test_paths_match_reference(
-    block_h: int, block_n: int, splits: int, defer: bool, lazy: bool
+    block_h: int, block_n: int, splits: int, lazy: bool, tma: bool, block_size: int
 ) -> None:
-    # 5 (< one block), 70 (4.4 blocks), 33 (just past 2 blocks), 16 (exactly
+    # 5 (< one tile), 70 (4.4 16-row tiles), 33 (just past 2), 16 (exactly
     # one); 20 heads leave a partial head block at every block_h.
-    b = LatentBatch([5, 70, 33, 16], heads=20, seed=block_h + block_n + splits)
+    b = LatentBatch([5, 70, 33, 16], heads=20, block_size=block_size, seed=block_h + block_n)
     out = b.run(
-        num_splits=splits, block_h=block_h, block_n=block_n, defer_pv=defer, lazy_rescale=lazy
+        num_splits=splits, block_h=block_h, block_n=block_n, lazy_rescale=lazy, paged_tma=tma
     )
     assert out.shape == b.q_latent.shape and out.dtype == torch.float32
     assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
@@ -128,65 +134,84 @@ def test_paths_match_reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ragged_batch_matches_references(dtype: torch.dtype, num_splits: int) -> None:
     b = LatentBatch([5, 70, 33, 16], heads=4, dtype=dtype)
-    out = b.run(num_splits=num_splits, block_n=16)
-    assert out.shape == b.q_latent.shape and out.dtype == dtype
-    assert rel_err(out, b.dense_reference()) < TOL[dtype]
-    # The reference reads whole blocks and masks scores, so 0 * NaN would poison
-    # it: hand it the cache with the poison replaced by (large) finite garbage.
-    q_lat, q_rope, cache, *rest = b.args()
-    ref = mla_ref.mla_decode(q_lat, q_rope, cache.nan_to_num(nan=1e3), *rest, max_seq_len=70)
-    assert rel_err(out, ref) < TOL[dtype]
+    for tma in (False, True):
+        out = b.run(num_splits=num_splits, block_n=16, paged_tma=tma)
+        assert out.shape == b.q_latent.shape and out.dtype == dtype
+        assert rel_err(out, b.dense_reference()) < TOL[dtype]
+        # The reference reads whole blocks and masks scores, so 0 * NaN would
+        # poison it: hand it the cache with the poison replaced by (large)
+        # finite garbage.
+        q_lat, q_rope, cache, *rest = b.args()
+        ref = mla_ref.mla_decode(q_lat, q_rope, cache.nan_to_num(nan=1e3), *rest, max_seq_len=70)
+        assert rel_err(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("defer", [True, False])
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("lazy", [True, False])
-def test_growing_scores_rescale(defer: bool, lazy: bool) -> None:
+def test_growing_scores_rescale(lazy: bool, tma: bool) -> None:
     # Scores spread over ~50 log2 units and grow along the context: with
     # 16-row tiles the running max outgrows the lazy threshold (8) in some
     # tiles (e.g. tiles 0, 2, 3, 4 of the unsplit first sequence) and not in
     # others, which then take weights against a stale max (up to 2^8).
     b = LatentBatch([70, 41], heads=8, q_scale=3.0, ramp=0.02, seed=3)
-    out = b.run(num_splits=2, block_h=64, block_n=16, defer_pv=defer, lazy_rescale=lazy)
+    kw = dict(block_n=16, lazy_rescale=lazy, paged_tma=tma)
+    out = b.run(num_splits=2, block_h=64, **kw)
     assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
-    out = b.run(num_splits=1, block_h=16, block_n=16, defer_pv=defer, lazy_rescale=lazy)
+    out = b.run(num_splits=1, block_h=16, **kw)
     assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize(("splits", "defer"), [(1, True), (1, False), (4, True), (4, False)])
-def test_zero_length_padding_rows(splits: int, defer: bool) -> None:
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_zero_length_padding_rows(splits: int, tma: bool) -> None:
     # A CUDA graph padded to its capture size runs rows with seq_len 0: they
     # must come out as zeros (and not poison the real rows), split or not.
     b = LatentBatch([0, 37, 0, 16], heads=5, seed=4)
-    out = b.run(num_splits=splits, block_h=64, block_n=16, defer_pv=defer)
+    out = b.run(num_splits=splits, block_h=64, block_n=16, paged_tma=tma)
     assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
     assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu()))
     assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("defer", [True, False])
-def test_tiles_straddle_small_cache_blocks(defer: bool) -> None:
-    # block_size 4: a 32-row tile spans 8 cache blocks, each row looks up its own.
+def test_tiles_straddle_small_cache_blocks() -> None:
+    # block_size 4: a 32-row tile spans 8 cache blocks, each row looks up its
+    # own; TMA cannot load such a tile in one copy, so asking for it changes
+    # nothing (the launcher falls back to pointers).
     b = LatentBatch([3, 30, 45], heads=6, block_size=4, seed=5)
-    out = b.run(num_splits=2, block_h=64, block_n=32, defer_pv=defer)
-    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+    for tma in (False, True):
+        out = b.run(num_splits=2, block_h=64, block_n=32, paged_tma=tma)
+        assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("block_h", [16, 64])
 def test_non_power_of_two_latent_and_rope(block_h: int) -> None:
-    # L=40 pads to a 64-wide tile, R=24 to 32; 5 heads leave masked rows.
-    b = LatentBatch([23, 50], heads=5, latent=40, rope=24, block_size=8, seed=2)
+    # L=40 pads to a 64-wide tile, R=24 to 32 (TMA: the descriptor's zero
+    # fill past the view's edge); 5 heads leave masked rows.
+    b = LatentBatch([23, 50], heads=5, latent=40, rope=24, block_size=16, seed=2)
     out = b.run(num_splits=2, block_h=block_h, block_n=16)
     assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
-    out = b.run(num_splits=1, block_h=block_h, block_n=32, defer_pv=block_h == 64)
+    out = b.run(num_splits=1, block_h=block_h, block_n=16, paged_tma=True)
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+    out = b.run(num_splits=1, block_h=block_h, block_n=32)
+    assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
+
+
+def test_tma_falls_back_where_rows_are_unaligned() -> None:
+    # 33 + 16 fp32 columns: a 196-byte row stride, which TMA cannot address
+    # (16-byte multiples only): asked for TMA, the launcher loads through
+    # pointers and the result is still right.
+    b = LatentBatch([23, 50], heads=5, latent=33, rope=16, block_size=16, seed=7)
+    out = b.run(num_splits=2, block_h=16, block_n=16, paged_tma=True)
     assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
 
 
 def test_deepseek_widths_tiny_context() -> None:
     # The real L=512 / R=64 tile widths with the default configuration
-    # (64 heads per program, deferred PV) on a context of a few tiles.
-    b = LatentBatch([3, 40], heads=64, latent=512, rope=64, seed=6)
+    # (fp32: 32 heads per program, 32-row tiles) on a context of a few tiles,
+    # and with the bf16 default's 64 x 64 tiles through TMA pages.
+    b = LatentBatch([3, 40, 64], heads=64, latent=512, rope=64, block_size=64, seed=6)
     assert rel_err(b.run(), b.dense_reference()) < TOL[torch.float32]
-    out = b.run(num_splits=2, block_n=16)
+    out = b.run(num_splits=2, block_h=64, block_n=64, paged_tma=True, lazy_rescale=False)
     assert rel_err(out, b.dense_reference()) < TOL[torch.float32]
 
 
@@ -208,12 +233,18 @@ def test_workspace_path_and_default_config() -> None:
 
 def test_config_for_deepseek_v3() -> None:
     cfg = triton_mla.mla_config
-    block_h, block_n, warps, stages, splits = cfg(64, 128, 512, 4096, 132)
-    assert (block_h, warps, splits) == (64, 8, 1)  # 128 programs: one full wave
+    c = cfg(64, 128, 512, 4096, 132, 2, 64)  # bf16, 64-token cache blocks
+    assert (c.block_h, c.block_n, c.num_warps, c.num_splits) == (64, 64, 8, 1)  # one full wave
+    assert c.paged_tma and not c.lazy_rescale  # whole pages by TMA, eager rescale
+    c16 = cfg(64, 128, 512, 4096, 132, 2, 16)  # 16-token blocks: tiles straddle them
+    assert not c16.paged_tma and c16.lazy_rescale and c16[:5] == c[:2] + (8, 2, 1)
+    assert not cfg(64, 128, 512, 4096, 132, 4, 64).paged_tma  # fp32: pointers
     assert cfg(256, 128, 512, 4096, 132)[4] == 1
     assert cfg(8, 128, 512, 4096, 132)[4] > 1  # 16 programs would idle most SMs
     assert cfg(1, 128, 512, 4096, 132)[4] > cfg(8, 128, 512, 4096, 132)[4]
-    assert cfg(64, 16, 512, 4096, 132)[0] == 16  # a 16-head (TP-8) shard
+    shard = cfg(64, 16, 512, 4096, 132, 2, 64)  # a 16-head (TP-8) shard
+    assert (shard.block_h, shard.block_n, shard.num_stages, shard.paged_tma) == (16, 32, 3, True)
+    assert not cfg(64, 32, 512, 4096, 132, 2, 64).paged_tma  # no TMA tile at 32 heads
 
 
 def test_config_bounded_variants_from_host_ints() -> None:
@@ -224,13 +255,11 @@ def test_config_bounded_variants_from_host_ints() -> None:
         variants = set()
         for batch in range(1, 257):
             for ctx in (1, 17, 64, 1000, 4096, 32768, 163840):
-                block_h, block_n, warps, stages, splits = triton_mla.mla_config(
-                    batch, heads, latent, ctx, 132
-                )
-                assert 1 <= splits <= triton_mla.MAX_SPLITS
-                assert splits == 1 or ctx // splits >= triton_mla._MIN_SPLIT_TOKENS
-                variants.add((block_h, block_n, warps, stages, splits == 1))
-        assert len({v[:4] for v in variants}) == 1, variants  # one tile shape per model
+                c = triton_mla.mla_config(batch, heads, latent, ctx, 132, 2, 64)
+                assert 1 <= c.num_splits <= triton_mla.MAX_SPLITS
+                assert c.num_splits == 1 or ctx // c.num_splits >= triton_mla._MIN_SPLIT_TOKENS
+                variants.add(c._replace(num_splits=c.num_splits == 1))
+        assert len({v._replace(num_splits=0) for v in variants}) == 1, variants  # one tile
         assert len(variants) <= 2, variants  # direct or split
 
 
@@ -275,7 +304,7 @@ def test_gpu_fp32_at_deepseek_v3_widths() -> None:
     """fp32 takes half-size tiles (mla_config): the bf16 tiles in fp32 need
     more shared memory than an SM has at 128 heads x (512 + 64)."""
     args = _deepseek_batch(4, 128, 512, torch.float32)
-    assert triton_mla.mla_config(4, 128, 512, 512, 132, 4)[:2] == (32, 32)
+    assert triton_mla.mla_config(4, 128, 512, 512, 132, 4, 64)[:2] == (32, 32)
     ref = mla_ref.mla_decode(*args, max_seq_len=512)
     out = triton_mla.mla_decode(*args, max_seq_len=512)
     assert rel_err(out, ref) < TOL[torch.float32]
@@ -283,26 +312,29 @@ def test_gpu_fp32_at_deepseek_v3_widths() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("block_h", "block_n", "warps", "stages", "defer"),
-    [(64, 32, 8, 2, True), (64, 16, 8, 2, True), (64, 32, 8, 2, False), (16, 32, 4, 2, False)],
-)
-def test_gpu_tile_configs(block_h: int, block_n: int, warps: int, stages: int, defer: bool) -> None:
-    # The candidate configurations of benchmarks/sweep_mla.py, compiled for real.
+    ("block_h", "block_n", "warps", "stages", "tma"),
+    [(64, 64, 8, 2, True), (64, 64, 8, 2, False), (64, 32, 8, 2, True), (16, 32, 4, 3, True),
+     (16, 32, 4, 2, False)],
+)  # fmt: skip
+def test_gpu_tile_configs(block_h: int, block_n: int, warps: int, stages: int, tma: bool) -> None:
+    # The candidate configurations of benchmarks/sweep_mla.py, compiled for
+    # real, both rescale variants; the lengths end mid-tile (pointer tails).
     args = _deepseek_batch(8, 128, 1024, torch.bfloat16)
     ref = mla_ref.mla_decode(*args, max_seq_len=1024)
-    for splits in (1, 4):
+    for splits, lazy in ((1, False), (4, True), (3, False)):
         out = triton_mla.mla_decode(
             *args, max_seq_len=1024, num_splits=splits, block_h=block_h, block_n=block_n,
-            num_warps=warps, num_stages=stages, defer_pv=defer,
+            num_warps=warps, num_stages=stages, paged_tma=tma, lazy_rescale=lazy,
         )  # fmt: skip
         assert rel_err(out, ref) < 2e-2
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("heads", [16, 128])  # pointer tiles; TMA pages (descriptors in the graph)
+def test_gpu_cuda_graph_replay(heads: int) -> None:
     # Capture with one set of lengths, replay with others (incl. 1 and the max):
     # the captured grid must follow the device-side seq_lens.
-    ql, qr, cache, table, lens, scale = _deepseek_batch(4, 16, 4096, torch.bfloat16)
+    ql, qr, cache, table, lens, scale = _deepseek_batch(4, heads, 4096, torch.bfloat16)
     ws = Workspace("cuda")
     step = lambda: triton_mla.mla_decode(ql, qr, cache, table, lens, scale,  # noqa: E731
                                          max_seq_len=4096, workspace=ws)  # fmt: skip
