@@ -340,6 +340,21 @@ def _mla_reduce_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
+def pages_by_tma(latent_cache: torch.Tensor, latent_dim: int, block_n: int) -> bool:
+    """Whether BLOCK_N-row tiles of this cache can each be one TMA copy per
+    operand: no tile straddles two cache blocks, consecutive blocks abut (the
+    cache is [rows, width] with one row stride), and both the latent and the
+    rope columns start 16-byte aligned with a 16-byte-multiple row stride."""
+    block_size, row_stride = latent_cache.shape[1], latent_cache.stride(1)
+    rows = latent_cache.shape[0] * block_size
+    return (
+        block_size % block_n == 0
+        and latent_cache.stride(0) == block_size * row_stride
+        and tma_ok(latent_cache[..., :latent_dim], rows, row_stride)
+        and tma_ok(latent_cache[..., latent_dim:], rows, row_stride)
+    )
+
+
 def mla_decode(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
@@ -411,13 +426,7 @@ def mla_decode(
     block_r = max(16, triton.next_power_of_2(rope_dim))
     rows = latent_cache.shape[0] * block_size
     row_stride = latent_cache.stride(1)
-    tma = (
-        tma
-        and block_size % block_n == 0  # a whole tile never straddles two cache blocks
-        and latent_cache.stride(0) == block_size * row_stride  # blocks abut: [rows, width]
-        and tma_ok(latent_cache[..., :latent_dim], rows, row_stride)
-        and tma_ok(latent_cache[..., latent_dim:], rows, row_stride)
-    )
+    tma = tma and pages_by_tma(latent_cache, latent_dim, block_n)
     lat_desc = rope_desc = latent_cache  # placeholders where pointers load instead
     if tma:
         lat_desc = descriptor(latent_cache[..., :latent_dim], rows, row_stride, [block_n, block_l])

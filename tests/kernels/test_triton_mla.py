@@ -351,3 +351,26 @@ def test_gpu_cuda_graph_replay(heads: int) -> None:
         torch.cuda.synchronize()
         ref = mla_ref.mla_decode(ql, qr, cache, table, lens, scale, max_seq_len=4096)
         assert rel_err(graph_out, ref) < 2e-2
+
+
+def test_engine_caches_take_the_tma_path() -> None:
+    # The engine's latent caches (one allocation, a [num_blocks, block_size,
+    # 1, L + R] view per layer) at DeepSeek-V3 widths: on 64-token blocks the
+    # 64-row tiles of mla_config's bf16 choice can be whole-page TMA copies;
+    # on 16-token blocks they cannot, and neither can a cache whose blocks do
+    # not abut or whose rows are not 16-byte multiples.
+    from models.context import KVCacheSpec
+    from tinyengine.worker.kv_cache import allocate_kv_cache
+
+    spec = KVCacheSpec(3, 1, 576, 0)
+    for block_size, want in ((64, True), (128, True), (16, False)):
+        caches = allocate_kv_cache(spec, 4, block_size, torch.bfloat16, "cpu")
+        for k_cache, v_cache in caches:
+            assert v_cache is k_cache
+            assert triton_mla.pages_by_tma(k_cache, 512, 64) is want
+    wide = torch.zeros(4, 64, 1, 2 * 576, dtype=torch.bfloat16)[..., :576]  # rows 2x apart
+    assert triton_mla.pages_by_tma(wide, 512, 64)  # one row stride still: fine
+    strided = torch.zeros(8, 64, 1, 576, dtype=torch.bfloat16)[::2]  # blocks do not abut
+    assert not triton_mla.pages_by_tma(strided, 512, 64)
+    odd = torch.zeros(4, 64, 1, 33 + 16, dtype=torch.float32)  # 196-byte rows
+    assert not triton_mla.pages_by_tma(odd, 33, 16)
