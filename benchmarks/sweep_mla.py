@@ -74,14 +74,17 @@ class Tile:
     lazy: bool  # LAZY_RESCALE
     block_size: int  # the cache's block size the tile runs on
     old_splits: bool = False  # split count from the previous heuristic
+    gluon: bool = False  # the Hopper Gluon split kernel (kernels/mla_gluon.py)
 
 
-# Naming: t = TMA pages (64-token cache blocks, the engine's default for
+# Naming: g = the Gluon kernel (TMA pages; its only shape), t = the Triton
+# kernel on TMA pages (64-token cache blocks, the engine's default for
 # DeepSeek on CUDA), c = pointer gathers (16-token blocks unless b64);
 # <block_h>x<block_n>, then s<stages> / w<warps> when not the usual, l = lazy
 # rescale (TMA tiles), e = eager (pointer tiles). The first entry of each list
 # is what mla_config picks today on 64-token blocks.
 TILES_128 = [
+    Tile("g64x64", 64, 64, 8, 2, True, False, 64, gluon=True),
     Tile("t64x64", 64, 64, 8, 2, True, False, 64),
     Tile("t64x64l", 64, 64, 8, 2, True, True, 64),
     Tile("t64x32", 64, 32, 8, 2, True, False, 64),
@@ -120,7 +123,7 @@ def old_num_splits(batch: int, heads: int, ctx: int, sms: int) -> int:
 def heuristic_splits(tile: Tile, batch: int, heads: int, ctx: int, sms: int) -> int:
     if tile.old_splits:
         return old_num_splits(batch, heads, ctx, sms)
-    return triton_mla._num_splits_for(batch, heads, tile.block_h, L, ctx, sms)
+    return triton_mla._num_splits_for(batch, heads, tile.block_h, L, ctx, sms, tile.block_n)
 
 
 def neighbour_splits(tile: Tile, batch: int, heads: int, ctx: int, sms: int) -> list[int]:
@@ -190,7 +193,7 @@ def _first_line(err: Exception) -> str:
 def run_kwargs(tile: Tile, splits: int) -> dict:
     return dict(
         num_splits=splits, block_h=tile.block_h, block_n=tile.block_n, num_warps=tile.warps,
-        num_stages=tile.stages, paged_tma=tile.tma, lazy_rescale=tile.lazy,
+        num_stages=tile.stages, paged_tma=tile.tma, lazy_rescale=tile.lazy, gluon=tile.gluon,
     )  # fmt: skip
 
 
@@ -296,7 +299,7 @@ class ShapeRunner:
 
 
 def describe(tile: Tile) -> str:
-    loads = f"{'tma' if tile.tma else 'ptr'} bs{tile.block_size:<2}"
+    loads = f"{'gluon' if tile.gluon else 'tma' if tile.tma else 'ptr'} bs{tile.block_size:<2}"
     rescale = "lazy " if tile.lazy else "eager"
     shape = f"bh{tile.block_h:<3}bn{tile.block_n:<3}w{tile.warps} s{tile.stages}"
     return f"{tile.name:<9} {shape} {loads} {rescale}"

@@ -1,7 +1,9 @@
 """Triton MLA (multi-head latent attention) decode over the paged latent cache:
 a split-KV kernel that shares every loaded latent tile among a block of heads,
-plus the reduce that merges the splits, and `mla_config`, the host-side
-heuristic that picks the tile shape and the split count.
+plus the reduce that merges the splits, and the launcher `mla_decode`, which
+takes its tile and split count from `mla_config` (kernels/mla_tiles.py) and,
+on Hopper, runs DeepSeek-V3's tile with the Gluon split kernel
+(kernels/mla_gluon.py) instead of this file's.
 
 Owns the GPU implementation of `mla_decode`, whose numerical definition (and
 layout) lives in kernels/mla.py, the torch reference; the signature is the
@@ -50,17 +52,20 @@ past 255 registers per thread into spills (sm_90). Measured on the H200,
 B=64, H=128, ctx 4096 (benchmarks/sweep_mla.py, 2026-12-03): 251 us with TMA
 pages vs 383 us through pointers.
 
-Why the QK product runs twice. With 64 heads and 8 warps (two warpgroups),
-Triton lays out a dot whose result feeds another dot in the same iteration
-(QK -> softmax -> PV) with all warps along M; at M = 64 that replicates the
-QK product (and the softmax) on both warpgroups, ~1.5x the MMA work, while
-the PV product splits its 512 columns between them. The ways out cost more
-than they save in Triton 3.6: 128 heads per program need a [128, 512] fp32
-accumulator (256 registers per thread at 8 warps); a deferred PV (tile i's PV
-in iteration i + 1, its rows re-read from L2) measured 450 us against the
-chained loop's 383 (pointer tiles, 2026-12-02, since removed). FlashMLA
-avoids it with warp-specialized warpgroups that exchange the softmax weights
-through shared memory, which Triton does not express.
+Why the QK product runs twice here, and the Gluon kernel. With 64 heads and
+8 warps (two warpgroups), Triton lays out a dot whose result feeds another
+dot in the same iteration (QK -> softmax -> PV) with all warps along M; at
+M = 64 that replicates the QK product (and the softmax) on both warpgroups,
+~1.5x the MMA work, while the PV product splits its 512 columns between
+them. The ways out cost more than they save in Triton 3.6: 128 heads per
+program need a [128, 512] fp32 accumulator (256 registers per thread at 8
+warps); a deferred PV (tile i's PV in iteration i + 1, its rows re-read from
+L2) measured 450 us against the chained loop's 383 (pointer tiles,
+2026-12-02, since removed). So on Hopper the 64-head, 64-row TMA tile runs
+kernels/mla_gluon.py instead, written in Gluon with explicit layouts: the
+warpgroups split the QK columns and hand the softmax weights over through
+shared memory (180 us vs this kernel's 252 at B=64, H=128, ctx 4096). This
+kernel serves every other shape, dtype and GPU, and the CPU tests.
 
 Tunables (defaults set from that sweep, which times a grid of them per shape
 and prints the heuristic's pick next to the best), in kernels/mla_tiles.py:
@@ -94,6 +99,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import mla_gluon
 from kernels.device_fn import device_fn
 from kernels.mla_tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: tests read them here)
     _MIN_SPLIT_TOKENS,
@@ -372,6 +378,7 @@ def mla_decode(
     num_stages: int | None = None,
     lazy_rescale: bool | None = None,
     paged_tma: bool | None = None,
+    gluon: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.mla.mla_decode; returns [B, H, L] in q_latent.dtype.
 
@@ -379,8 +386,11 @@ def mla_decode(
     paged_tma override mla_config's choices (tests and benchmarks/sweep_mla.py);
     a block_h override also re-derives the split count and warps unless those
     are given too. paged_tma=True where the cache's block size or alignment
-    rules TMA out still loads through pointers. Every override is a host value,
-    so the overridden call is exactly as graph-safe as the default one."""
+    rules TMA out still loads through pointers. On Hopper the split kernel of
+    the 64-head, 64-row TMA tile is the Gluon one (kernels/mla_gluon.py;
+    gluon=False forces the Triton kernel, and gluon=True where it does not
+    apply changes nothing). Every override is a host value, so the overridden
+    call is exactly as graph-safe as the default one."""
     num_seqs, num_heads, latent_dim = q_latent.shape
     block_size, width = latent_cache.shape[1], latent_cache.shape[3]
     rope_dim = q_rope.shape[2]
@@ -412,7 +422,8 @@ def mla_decode(
         cfg = cfg._replace(
             num_warps=_warps_for(block_h, latent_dim),
             num_splits=_num_splits_for(
-                num_seqs, num_heads, block_h, latent_dim, max_seq_len, num_sms
+                num_seqs, num_heads, block_h, latent_dim, max_seq_len, num_sms,
+                block_n or cfg.block_n,
             ),
         )  # fmt: skip
     block_h = block_h or cfg.block_h
@@ -427,10 +438,9 @@ def mla_decode(
     rows = latent_cache.shape[0] * block_size
     row_stride = latent_cache.stride(1)
     tma = tma and pages_by_tma(latent_cache, latent_dim, block_n)
-    lat_desc = rope_desc = latent_cache  # placeholders where pointers load instead
-    if tma:
-        lat_desc = descriptor(latent_cache[..., :latent_dim], rows, row_stride, [block_n, block_l])
-        rope_desc = descriptor(latent_cache[..., latent_dim:], rows, row_stride, [block_n, block_r])
+    use_gluon = gluon is not False and mla_gluon.supports(
+        q_latent, latent_cache, block_h, block_n, tma
+    )
     direct = num_splits == 1
     if direct:  # no partials: the split kernel writes `out` itself
         part_out = part_lse = out
@@ -446,17 +456,33 @@ def mla_decode(
         part_lse = torch.empty(
             num_seqs, num_heads, num_splits, dtype=torch.float32, device=out.device
         )
-    _mla_split_kernel[(triton.cdiv(num_heads, block_h), num_seqs, num_splits)](
-        q_latent, q_rope, latent_cache, lat_desc, rope_desc, block_tables, seq_lens,
-        out, part_out, part_lse, scale * LOG2E, num_splits, num_heads,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        latent_cache.stride(0), row_stride, block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h,
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, DIRECT=direct, PAGED_TMA=tma,
-        LAZY_RESCALE=lazy, RESCALE_THRESHOLD=_RESCALE_THRESHOLD, UPCAST=_interpreting(),
-        DOT_PRECISION=dot_precision(latent_cache.dtype), num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    if use_gluon:
+        try:
+            mla_gluon.launch_split(
+                q_latent, q_rope, latent_cache, block_tables, seq_lens, scale * LOG2E,
+                num_splits, out, part_out, part_lse,
+            )  # fmt: skip
+        except mla_gluon.GluonUnavailable:
+            use_gluon = False
+    if not use_gluon:
+        lat_desc = rope_desc = latent_cache  # placeholders where pointers load instead
+        if tma:
+            lat_desc = descriptor(latent_cache[..., :latent_dim], rows, row_stride,
+                                  [block_n, block_l])  # fmt: skip
+            rope_desc = descriptor(latent_cache[..., latent_dim:], rows, row_stride,
+                                   [block_n, block_r])  # fmt: skip
+        _mla_split_kernel[(triton.cdiv(num_heads, block_h), num_seqs, num_splits)](
+            q_latent, q_rope, latent_cache, lat_desc, rope_desc, block_tables, seq_lens,
+            out, part_out, part_lse, scale * LOG2E, num_splits, num_heads,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+            latent_cache.stride(0), row_stride, block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h,
+            BLOCK_N=block_n, BLOCK_SIZE=block_size, DIRECT=direct, PAGED_TMA=tma,
+            LAZY_RESCALE=lazy, RESCALE_THRESHOLD=_RESCALE_THRESHOLD, UPCAST=_interpreting(),
+            DOT_PRECISION=dot_precision(latent_cache.dtype), num_warps=num_warps,
+            num_stages=num_stages,
+        )  # fmt: skip
     if not direct:
         _mla_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),

@@ -330,7 +330,7 @@ def test_gpu_tile_configs(block_h: int, block_n: int, warps: int, stages: int, t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [16, 128])  # pointer tiles; TMA pages (descriptors in the graph)
+@pytest.mark.parametrize("heads", [16, 128])  # the Triton kernel; the Gluon one (on Hopper)
 def test_gpu_cuda_graph_replay(heads: int) -> None:
     # Capture with one set of lengths, replay with others (incl. 1 and the max):
     # the captured grid must follow the device-side seq_lens.
@@ -374,3 +374,25 @@ def test_engine_caches_take_the_tma_path() -> None:
     assert not triton_mla.pages_by_tma(strided, 512, 64)
     odd = torch.zeros(4, 64, 1, 33 + 16, dtype=torch.float32)  # 196-byte rows
     assert not triton_mla.pages_by_tma(odd, 33, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_gpu_gluon_split_kernel(heads: int, dtype: torch.dtype) -> None:
+    # The Hopper Gluon kernel (kernels/mla_gluon.py) at the one shape it
+    # serves, on a NaN-poisoned cache: empty rows, one row, a page +- 1, a
+    # partial last tile after several whole ones; direct and split; against
+    # the fp64 reference and against the Triton kernel.
+    from kernels import mla_gluon
+
+    b = LatentBatch([0, 1, 63, 64, 65, 130, 300], heads=heads, latent=512, rope=64,
+                    block_size=64, dtype=dtype, seed=11)  # fmt: skip
+    assert mla_gluon.supports(b.q_latent, b.cache, 64, 64, True)  # the test means something
+    ref = b.dense_reference()
+    for splits in (1, 2, 3, 8):
+        out = b.run(num_splits=splits, gluon=True)
+        assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        triton_out = b.run(num_splits=splits, gluon=False)
+        assert rel_err(out, triton_out.double()) < TOL[torch.bfloat16]
