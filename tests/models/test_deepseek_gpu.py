@@ -33,3 +33,40 @@ def test_deepseek_graphs_equal_eager_equal_hf(tmp_path, variant):
             late = jit_monitor.compiled_since(llm.engine._jit_compiles_at_ready)
             assert llm.stats()["jit_compiles_after_ready"] == 0, late
     assert results[False] == results[True] == hf_tokens
+
+
+def test_v3_attention_widths_decode_with_the_gluon_kernel(tmp_path, monkeypatch):
+    """bf16 at V3's attention widths (128 heads, latent 512 + rope 64; the
+    rest tiny): the engine picks 64-token cache blocks, decode runs the
+    Hopper Gluon MLA kernel (kernels/mla_gluon.py) inside the CUDA graphs,
+    nothing compiles after READY, and greedy tokens with graphs equal eager."""
+    from kernels import jit_monitor, mla_gluon
+
+    launches = []
+    real_launch = mla_gluon.launch_split
+
+    def counted_launch(*args, **kwargs):  # the real kernel, counted
+        launches.append(args[0].shape)
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(mla_gluon, "launch_split", counted_launch)
+    path = make_tiny_deepseek(
+        "v3", tmp_path, num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+    )  # fmt: skip
+    prompts = [*PROMPTS, list(range(200, 350))]  # 150 tokens: whole pages and a partial one
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for eager in (False, True):
+        llm = LLM(str(path), max_model_len=512, max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8],
+                  dtype="bfloat16", enforce_eager=eager, print_startup_report=False)  # fmt: skip
+        assert llm.engine.config.block_size == 64
+        launches.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[eager] = [o.outputs[0].token_ids for o in outs]
+        if eager:
+            assert launches  # eager decode steps call the Gluon launcher (graphs replay it)
+        else:
+            late = jit_monitor.compiled_since(llm.engine._jit_compiles_at_ready)
+            assert llm.stats()["jit_compiles_after_ready"] == 0, late
+    assert results[False] == results[True]
