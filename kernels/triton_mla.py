@@ -138,25 +138,6 @@ def _load_rows(row_ptrs, row_ok, offs, WIDTH: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @device_fn
-def _gather_tile(
-    cache_ptr, bt_row, n, end, stride_cb, stride_cs,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):  # fmt: skip
-    """Rows n .. n + BLOCK_N of a sequence through pointers: (latent
-    [BLOCK_N, BLOCK_L], rope [BLOCK_N, BLOCK_R], live-row mask). The tile may
-    straddle cache blocks, so each row looks up its own block id; rows at or
-    past `end` read 0 (their block id is not loaded either)."""
-    pos = n + tl.arange(0, BLOCK_N)
-    pos_ok = pos < end
-    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
-    lat = _load_rows(row, pos_ok, tl.arange(0, BLOCK_L), LATENT, BLOCK_L)
-    rope = _load_rows(row + LATENT, pos_ok, tl.arange(0, BLOCK_R), ROPE, BLOCK_R)
-    return lat, rope, pos_ok
-
-
-@device_fn
 def _attend_tile(
     q_lat, q_rope, lat, rope, pos_ok, acc, m_i, l_i, qk_scale,
     MASKED: tl.constexpr, LAZY_RESCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
@@ -194,6 +175,29 @@ def _attend_tile(
     l_i += tl.sum(p, 1)
     acc = tl.dot(p.to(lat.dtype), lat, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
+
+
+@device_fn
+def _attend_gathered_tile(
+    cache_ptr, bt_row, n, end, stride_cb, stride_cs, q_lat, q_rope, acc, m_i, l_i, qk_scale,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    RESCALE_THRESHOLD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_attend_tile over rows n .. n + BLOCK_N of a sequence gathered through
+    pointers ([BLOCK_N, BLOCK_L] latent, [BLOCK_N, BLOCK_R] rope). The tile may
+    straddle cache blocks, so each row looks up its own block id; rows at or
+    past `end` read 0 (their block id is not loaded either) and weigh 0."""
+    pos = n + tl.arange(0, BLOCK_N)
+    pos_ok = pos < end
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+    lat = _load_rows(row, pos_ok, tl.arange(0, BLOCK_L), LATENT, BLOCK_L)
+    rope = _load_rows(row + LATENT, pos_ok, tl.arange(0, BLOCK_R), ROPE, BLOCK_R)
+    return _attend_tile(
+        q_lat, q_rope, lat, rope, pos_ok, acc, m_i, l_i, qk_scale,
+        True, LAZY_RESCALE, RESCALE_THRESHOLD, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for any split count
@@ -273,23 +277,17 @@ def _mla_split_kernel(
         # An `if`, not a loop: a second pipelined loop would claim its own
         # shared-memory ring, which the TMA loop's ring leaves no room for.
         if whole_end < end:
-            lat, rope, pos_ok = _gather_tile(
-                cache_ptr, bt_row, whole_end, end, stride_cb, stride_cs,
-                LATENT, ROPE, BLOCK_L, BLOCK_R, BLOCK_N, BLOCK_SIZE,
-            )  # fmt: skip
-            acc, m_i, l_i = _attend_tile(
-                q_lat, q_rope, lat, rope, pos_ok, acc, m_i, l_i, qk_scale,
-                True, LAZY_RESCALE, RESCALE_THRESHOLD, UPCAST, DOT_PRECISION,
+            acc, m_i, l_i = _attend_gathered_tile(
+                cache_ptr, bt_row, whole_end, end, stride_cb, stride_cs, q_lat, q_rope,
+                acc, m_i, l_i, qk_scale, LATENT, ROPE, BLOCK_L, BLOCK_R, BLOCK_N, BLOCK_SIZE,
+                LAZY_RESCALE, RESCALE_THRESHOLD, UPCAST, DOT_PRECISION,
             )  # fmt: skip
     else:
         for n in range(start, end, BLOCK_N):
-            lat, rope, pos_ok = _gather_tile(
-                cache_ptr, bt_row, n, end, stride_cb, stride_cs,
-                LATENT, ROPE, BLOCK_L, BLOCK_R, BLOCK_N, BLOCK_SIZE,
-            )  # fmt: skip
-            acc, m_i, l_i = _attend_tile(
-                q_lat, q_rope, lat, rope, pos_ok, acc, m_i, l_i, qk_scale,
-                True, LAZY_RESCALE, RESCALE_THRESHOLD, UPCAST, DOT_PRECISION,
+            acc, m_i, l_i = _attend_gathered_tile(
+                cache_ptr, bt_row, n, end, stride_cb, stride_cs, q_lat, q_rope,
+                acc, m_i, l_i, qk_scale, LATENT, ROPE, BLOCK_L, BLOCK_R, BLOCK_N, BLOCK_SIZE,
+                LAZY_RESCALE, RESCALE_THRESHOLD, UPCAST, DOT_PRECISION,
             )  # fmt: skip
 
     # l_i == 0 only for an empty context (seq_len 0, a padding row): output 0.
