@@ -145,6 +145,8 @@ def test_completion_stream_matches_and_reports_usage(client, llm):
     assert usage_chunk["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
     chunks = events[:-2]
     assert all(c["object"] == "text_completion" for c in chunks)
+    # include_usage: every other chunk carries "usage": null (OpenAI's format)
+    assert all("usage" in c and c["usage"] is None for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == ref.outputs[0].text
     assert chunks[-1]["choices"][0]["finish_reason"] == ref.outputs[0].finish_reason
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])

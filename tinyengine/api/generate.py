@@ -234,7 +234,9 @@ async def _stream(
     finals: dict[int, RequestOutput] = {}
 
     def emit(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        return R.sse(R.chunk(job.request_id, job.model, created, chat, choices, usage))
+        return R.sse(
+            R.chunk(job.request_id, job.model, created, chat, choices, usage, job.include_usage)
+        )
 
     try:
         if chat:  # OpenAI opens each choice with the assistant role

@@ -228,7 +228,11 @@ def chunk(
     chat: bool,
     choices: list[dict[str, Any]],
     usage_: dict[str, int] | None = None,
+    with_usage: bool = False,
 ) -> dict[str, Any]:
+    """One streamed chunk. with_usage (stream_options.include_usage): every
+    chunk has a "usage" field, null until the last, usage-only one (OpenAI's
+    and vLLM's format); otherwise only a chunk given usage_ has one."""
     body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -236,7 +240,7 @@ def chunk(
         "model": model,
         "choices": choices,
     }
-    if usage_ is not None:
+    if usage_ is not None or with_usage:
         body["usage"] = usage_
     return body
 
