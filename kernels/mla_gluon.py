@@ -40,6 +40,7 @@ kernel, and GPU tests compare this one with the reference and with it.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -74,6 +75,11 @@ LATENT, ROPE = 512, 64  # the widths whose shared-memory budget was sized
 NUM_STAGES = 2  # ring slots: two [64, 576] tiles + the query fill the SM
 
 
+@functools.cache
+def _is_hopper(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def supports(
     q_latent: torch.Tensor, latent_cache: torch.Tensor, block_h: int, block_n: int, paged: bool
 ) -> bool:
@@ -84,7 +90,7 @@ def supports(
         return False
     num_heads, latent_dim = q_latent.shape[1], q_latent.shape[2]
     return (
-        torch.cuda.get_device_capability(q_latent.device)[0] == 9
+        _is_hopper(q_latent.device.index)
         and latent_cache.dtype in (torch.bfloat16, torch.float16)
         and q_latent.dtype == latent_cache.dtype
         and (latent_dim, latent_cache.shape[3] - latent_dim) == (LATENT, ROPE)
