@@ -122,7 +122,7 @@ if HAVE_GLUON:
         BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         """Grid (H / BLOCK_H, B, num_splits), 8 warps; the same outputs as
-        triton_mla._mla_split_kernel (DIRECT: `out`; else the partials and
+        mla_split._mla_split_kernel (DIRECT: `out`; else the partials and
         log2-sum-exps the reduce merges; an empty split writes lse = -inf)."""
         dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
