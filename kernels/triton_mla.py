@@ -103,7 +103,6 @@ from kernels.mla_split import RESCALE_THRESHOLD, _mla_reduce_kernel, _mla_split_
 from kernels.mla_tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: tests read them here)
     _MIN_SPLIT_TOKENS,
     MAX_SPLITS,
-    _block_h_for,
     _num_splits_for,
     _warps_for,
     mla_config,
