@@ -42,7 +42,7 @@ for section in "$@"; do
     lat8b_nohf) run lat8b_nohf 200 python -m tinyengine.bench latency --model llama3-8b-shape \
           --batch-size 1 --input-len 128 --output-len 128 --num-iters 5 --json "$out/lat8b_nohf.json" ;;
     moe_tma) run moe_tma 150 python benchmarks/sweep_moe.py --tokens 4096,8192 --no-boundaries ;;
-    gpu_tests) run gpu_tests 330 python -m pytest -q -m "gpu and not slow" -p no:cacheprovider tests ;;
+    gpu_tests) run gpu_tests 330 python -m pytest -q -m "gpu and not slow" -p no:cacheprovider --ignore=tests/server tests ;;  # server tests: no GPU ones, and they need openai
     prefill) run prefill 90 python benchmarks/bench_kernels.py --only prefill ;;
     proxy_startup) run proxy_startup 200 python -m tinyengine.bench startup --model deepseek-v3-proxy \
           --json "$out/proxy_startup.json" ;;

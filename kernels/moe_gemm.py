@@ -135,14 +135,10 @@ def _act_tile(a_desc, a_ptrs, row0, k0, offs_k, K: tl.constexpr, BLOCK_K: tl.con
 
 @device_fn
 def _weight_tile(w_desc, w_ptrs, w_row, k0, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TMA_W: tl.constexpr, BLOCK_N: tl.constexpr = 0, W_TILED: tl.constexpr = 0):  # fmt: skip
+                 TMA_W: tl.constexpr):  # fmt: skip
     """The weight tile at column k0 as [BLOCK_K, BLOCK_N] (x @ w needs no
-    transpose): by TMA from row w_row of the [E*N, K] view, or through w_ptrs.
-    W_TILED (experiment): w_desc views weights stored tile by tile, [E*N/BN,
-    K/BK, BN, BK] as [E*N*K/BK, BK], so a tile is one contiguous box."""
-    if W_TILED:
-        tile = w_desc.load([w_row * (K // BLOCK_K) + (k0 // BLOCK_K) * BLOCK_N, 0]).T
-    elif TMA_W:
+    transpose): by TMA from row w_row of the [E*N, K] view, or through w_ptrs."""
+    if TMA_W:
         tile = w_desc.load([w_row, k0]).T
     elif K % BLOCK_K == 0:
         tile = tl.load(w_ptrs)
@@ -156,7 +152,7 @@ def _gate_up_mma(x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_
                  INTER: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_ROWS: tl.constexpr,
                  WITH_TAIL: tl.constexpr, UPCAST: tl.constexpr, TMA_A: tl.constexpr,
-                 TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr, W_TILED: tl.constexpr = 0):  # fmt: skip
+                 TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """gate_up's K loop: the fp32 (gate, up) accumulators of the block's main
     rows and, WITH_TAIL (TMA_A only), of the TAIL_ROWS rows after them, which
     reuse each loaded weight tile (zeros without a tail). Unused arguments of
@@ -167,9 +163,8 @@ def _gate_up_mma(x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_
     acc_ut = tl.zeros([TAIL_ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         xt = _act_tile(x_ptr, x_ptrs, row0, k0, offs_k, HIDDEN, BLOCK_K, TMA_A)
-        wg = _weight_tile(w13, g_ptrs, w_row, k0, offs_k, HIDDEN, BLOCK_K, TMA_W, BLOCK_N, W_TILED)
-        wu = _weight_tile(w13, u_ptrs, w_row + INTER, k0, offs_k, HIDDEN, BLOCK_K, TMA_W, BLOCK_N,
-                          W_TILED)  # fmt: skip
+        wg = _weight_tile(w13, g_ptrs, w_row, k0, offs_k, HIDDEN, BLOCK_K, TMA_W)
+        wu = _weight_tile(w13, u_ptrs, w_row + INTER, k0, offs_k, HIDDEN, BLOCK_K, TMA_W)
         if UPCAST:
             xt = xt.to(tl.float32)
             wg = wg.to(tl.float32)
@@ -214,7 +209,6 @@ def _gate_up_kernel(
     NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_M: tl.constexpr,
     UPCAST: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    W_TILED: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid (max M-blocks * cdiv(I, BLOCK_N),). act[row, n] = silu(x_t . gate_n) *
     (x_t . up_n) for the sorted rows of one expert's M-block; row r holds pair
@@ -266,7 +260,7 @@ def _gate_up_kernel(
             acc_g, acc_u, acc_gt, acc_ut = _gate_up_mma(
                 x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_k, INTER, HIDDEN,
                 BLOCK_M, BLOCK_N, BLOCK_K, TAIL_ROWS, True, UPCAST, TMA_A, TMA_W,
-                DOT_PRECISION, W_TILED)  # fmt: skip
+                DOT_PRECISION)  # fmt: skip
             t_rows = row0 + BLOCK_M + tl.arange(0, TAIL_ROWS)
             t_ok = first_in_seg + BLOCK_M + tl.arange(0, TAIL_ROWS) < count
             _store_swiglu(acc_gt, acc_ut, act_ptr, t_rows, t_ok, offs_n, stride_am, INTER)
@@ -274,12 +268,12 @@ def _gate_up_kernel(
             acc_g, acc_u, acc_gt, acc_ut = _gate_up_mma(
                 x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_k, INTER, HIDDEN,
                 BLOCK_M, BLOCK_N, BLOCK_K, TAIL_ROWS, False, UPCAST, TMA_A, TMA_W,
-                DOT_PRECISION, W_TILED)  # fmt: skip
+                DOT_PRECISION)  # fmt: skip
     else:
         acc_g, acc_u, acc_gt, acc_ut = _gate_up_mma(
             x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_k, INTER, HIDDEN,
             BLOCK_M, BLOCK_N, BLOCK_K, TAIL_ROWS, False, UPCAST, TMA_A, TMA_W,
-            DOT_PRECISION, W_TILED)  # fmt: skip
+            DOT_PRECISION)  # fmt: skip
     _store_swiglu(acc_g, acc_u, act_ptr, rows, row_ok, offs_n, stride_am, INTER)
 
 
@@ -287,15 +281,14 @@ def _gate_up_kernel(
 def _down_mma(act, at_desc, w2, a_ptrs, w_ptrs, row0, w_row, offs_k, INTER: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               TAIL_ROWS: tl.constexpr, WITH_TAIL: tl.constexpr, UPCAST: tl.constexpr,
-              TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              W_TILED: tl.constexpr = 0):  # fmt: skip
+              TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """down's K loop: the fp32 accumulators of the main rows and, WITH_TAIL
     (TMA_A only), of the TAIL_ROWS rows after them (zeros without a tail)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([TAIL_ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         a = _act_tile(act, a_ptrs, row0, k0, offs_k, INTER, BLOCK_K, TMA_A)
-        w = _weight_tile(w2, w_ptrs, w_row, k0, offs_k, INTER, BLOCK_K, TMA_W, BLOCK_N, W_TILED)
+        w = _weight_tile(w2, w_ptrs, w_row, k0, offs_k, INTER, BLOCK_K, TMA_W)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -329,7 +322,6 @@ def _down_kernel(
     NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_M: tl.constexpr,
     UPCAST: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    W_TILED: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid (max M-blocks * cdiv(D, BLOCK_N),). y[pair, n] = act_row . w2[e, n],
     rounded to y's dtype and written at the pair's *unsorted* index t*K + k so
@@ -370,16 +362,16 @@ def _down_kernel(
         if _has_tail(first_in_seg, count, BLOCK_M, TAIL_M):
             acc, acc_t = _down_mma(act, at_desc, w2, a_ptrs, w_ptrs, row0, w_row, offs_k, INTER,
                                    BLOCK_M, BLOCK_N, BLOCK_K, TAIL_ROWS, True, UPCAST, TMA_A,
-                                   TMA_W, DOT_PRECISION, W_TILED)  # fmt: skip
+                                   TMA_W, DOT_PRECISION)  # fmt: skip
             t_rows = row0 + BLOCK_M + tl.arange(0, TAIL_ROWS)
             t_ok = first_in_seg + BLOCK_M + tl.arange(0, TAIL_ROWS) < count
             _store_rows(acc_t, y_ptr, order_ptr, t_rows, t_ok, offs_n, stride_ym, HIDDEN)
         else:
             acc, acc_t = _down_mma(act, at_desc, w2, a_ptrs, w_ptrs, row0, w_row, offs_k, INTER,
                                    BLOCK_M, BLOCK_N, BLOCK_K, TAIL_ROWS, False, UPCAST, TMA_A,
-                                   TMA_W, DOT_PRECISION, W_TILED)  # fmt: skip
+                                   TMA_W, DOT_PRECISION)  # fmt: skip
     else:
         acc, acc_t = _down_mma(act, at_desc, w2, a_ptrs, w_ptrs, row0, w_row, offs_k, INTER,
                                BLOCK_M, BLOCK_N, BLOCK_K, TAIL_ROWS, False, UPCAST, TMA_A,
-                               TMA_W, DOT_PRECISION, W_TILED)  # fmt: skip
+                               TMA_W, DOT_PRECISION)  # fmt: skip
     _store_rows(acc, y_ptr, order_ptr, rows, row_ok, offs_n, stride_ym, HIDDEN)
