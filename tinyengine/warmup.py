@@ -43,8 +43,15 @@ def run_warmup(engine: LLMEngine, graph_sizes: list[int]) -> None:
     max_tokens = decode_steps + 1  # the first token comes with the prefill
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=max_tokens,
-                       ignore_eos=True, seed=1, logprobs=2),  # fmt: skip
+        SamplingParams(
+            temperature=0.7,
+            top_k=20,
+            top_p=0.9,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            seed=1,
+            logprobs=2,
+        ),
     ]
     ids = []
     for i in range(num_seqs):

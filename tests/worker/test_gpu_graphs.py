@@ -25,6 +25,7 @@ def _late_compiles(llm) -> list[str]:
 
     return jit_monitor.compiled_since(llm.engine._jit_compiles_at_ready)
 
+
 BACKENDS = ["torch", "triton"]
 
 
