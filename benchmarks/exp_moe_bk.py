@@ -53,8 +53,8 @@ def main() -> None:
         for rnd in range(3):
             for name, (cfg, ws) in runs.items():
                 ms = do_bench_cudagraph(
-                    lambda cfg=cfg, ws=ws: fused_moe(x, w13, w2, weights, ids, workspace=ws,
-                                                     config=cfg),  # fmt: skip
+                    lambda cfg=cfg, ws=ws, x=x, tw=weights, ti=ids: fused_moe(
+                        x, w13, w2, tw, ti, workspace=ws, config=cfg),  # fmt: skip
                     rep=100, return_mode="median",
                 )  # fmt: skip
                 print(f"T={T} round {rnd} {name:16s} {ms * 1e3:8.1f} us "
