@@ -44,7 +44,7 @@ def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
 # 2967 at T=4096) and runs tails (tail_m=64): an expert's last block takes up
 # to 64 rows past its 128, so ~128 rows per expert need one block, not two,
 # which also makes a short program order best (group_m 2 and 4: the
-# 2026-12-03 order runs at T=2048/4096/8192). The whole op: ~390-420 TFLOP/s
+# 2026-12-03 order runs at T=2048/4096/8192). The whole op: ~370-420 TFLOP/s
 # at T=4096 (339 without tails) and 457 at T=8192 (docs/benchmarks.md).
 CLASS_ROWS = (16, 64)
 CLASS_CONFIGS: tuple[dict[str, dict[str, int]], ...] = (
