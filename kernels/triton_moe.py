@@ -142,9 +142,10 @@ def _scratch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     """sorted_x: also the xs buffer (gate_up with tma=TMA_AW)."""
     num_experts, two_i, hidden = w13.shape
     num_pairs = topk_ids.numel()
+    key_dtype = _key_dtype(num_experts)
     specs = [
-        ((num_pairs,), _key_dtype(num_experts)),
-        ((num_pairs,), _key_dtype(num_experts)),
+        ((num_pairs,), key_dtype),
+        ((num_pairs,), key_dtype),
         ((num_pairs,), torch.int64),
         ((num_experts,), torch.int32),
         ((num_pairs, two_i // 2), w13.dtype),
