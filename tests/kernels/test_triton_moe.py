@@ -367,6 +367,21 @@ def test_strided_routing_tensors_and_int32_ids() -> None:
     assert torch.equal(out32, out)
 
 
+@pytest.mark.parametrize("experts", [300, 40000])  # int16 keys (past int8's range); int32 keys
+def test_grouping_with_narrowed_keys_is_the_stable_sort(experts: int) -> None:
+    assert triton_moe._key_dtype(experts) == (torch.int16 if experts < 2**15 else torch.int32)
+    g = torch.Generator().manual_seed(6)
+    # Ids near the top of the range (a wrong narrowing wraps them) and repeats.
+    ids = torch.randint(experts - 40, experts, (16, 4), generator=g).to(DEVICE)
+    x, w13, w2 = (torch.zeros(16, 8, device=DEVICE), torch.zeros(experts, 2, 8, device=DEVICE),
+                  torch.zeros(experts, 8, 1, device=DEVICE))  # fmt: skip
+    s = triton_moe._scratch(x, w13, w2, ids, None)
+    triton_moe._group(ids, s)
+    flat = ids.reshape(-1).cpu()
+    assert torch.equal(s.order.cpu(), torch.sort(flat, stable=True).indices)
+    assert torch.equal(s.counts.cpu().long(), torch.bincount(flat, minlength=experts))
+
+
 def test_zero_tokens() -> None:
     x, w13, w2, weights, ids = make(1, 32, 16, 4, 2, torch.float32)
     out = triton_moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
