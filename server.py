@@ -8,6 +8,6 @@ thread starts only when the server starts (the app's lifespan), so /health
 answers while the model loads.
 """
 
-from tinyengine.api import ServerSettings, create_app
+from tinyengine.serve import ServerSettings, create_app
 
 app = create_app(ServerSettings.from_env())

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.gemv import GemvConfig, pick_config, skinny_linear  # noqa: E402
+from tinyengine.kernels.gemv import GemvConfig, pick_config, skinny_linear  # noqa: E402
 
 SHAPES = [  # (name, N, K): Llama-3-8B, tp=1
     ("qkv", 6144, 4096),

@@ -90,7 +90,7 @@ class Problem:
         self.kv_bytes = 2 * self.k.numel() * 2
 
     def triton(self, workspace: object = None) -> torch.Tensor:
-        from kernels import triton_attention as ta
+        from tinyengine.kernels import triton_attention as ta
 
         return ta.paged_attention(
             self.q, self.k_cache, self.v_cache, self.tables, self.qsl, self.lens, self.d**-0.5,
@@ -111,7 +111,7 @@ class Problem:
 
 
 def bench_decode_shape(batch: int, ctx: int, copy_tbs: float, workspace: object) -> None:
-    from kernels import triton_attention as ta
+    from tinyengine.kernels import triton_attention as ta
 
     p = Problem(batch, 1, ctx, 32, 8, 128)
     splits = ta.decode_num_splits(batch, p.hkv, ctx, ta._num_sms(p.q.device))
@@ -124,7 +124,7 @@ def bench_decode_shape(batch: int, ctx: int, copy_tbs: float, workspace: object)
 
 def bench_decode(copy_tbs: float, quick: bool) -> None:
     """32 query / 8 KV heads, d128, block_size 16; skips shapes over 40 GB of K/V."""
-    from kernels.workspace import Workspace
+    from tinyengine.kernels.workspace import Workspace
 
     workspace = Workspace("cuda")
     shapes = [(64, 4096)] if quick else [(b, c) for b in (1, 64, 256) for c in (512, 4096, 32768)]
@@ -149,10 +149,14 @@ def bench_prefill(mm_tflops: float, quick: bool) -> None:
 
 def bench_elementwise(copy_tbs: float) -> None:
     """16k tokens x 4096 hidden, bf16; bytes = inputs read once + outputs written once."""
-    from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-    from kernels.cache_write import write_kv_cache_triton
-    from kernels.norm import rms_norm_torch, rms_norm_triton
-    from kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
+    from tinyengine.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+    from tinyengine.kernels.cache_write import write_kv_cache_triton
+    from tinyengine.kernels.norm import rms_norm_torch, rms_norm_triton
+    from tinyengine.kernels.rotary import (
+        apply_rotary_torch,
+        apply_rotary_triton,
+        build_cos_sin_cache,
+    )
 
     tokens, hidden, bf16 = 16384, 4096, torch.bfloat16
     el = tokens * hidden * 2  # bytes of one [tokens, hidden] bf16 tensor
@@ -210,8 +214,8 @@ def _try(label: str, fn: Callable[[], object], work: float, unit: str, graph: bo
 
 def sweep() -> None:
     """Try tile configs for the two attention kernels (for choosing defaults)."""
-    from kernels import triton_attention as ta
-    from kernels.workspace import Workspace
+    from tinyengine.kernels import triton_attention as ta
+    from tinyengine.kernels.workspace import Workspace
 
     workspace = Workspace("cuda")
     for batch, ctx, split_list, configs in [

@@ -44,8 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=100.0, help="seconds, then stop")
     args = parser.parse_args()
-    from kernels import triton_attention as ta
-    from kernels.workspace import Workspace
+    from tinyengine.kernels import triton_attention as ta
+    from tinyengine.kernels.workspace import Workspace
 
     workspace, t0 = Workspace("cuda"), time.perf_counter()
     for batch, ctx, hq, hkv, d in SHAPES:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from kernels import triton_mla  # noqa: E402
+from tinyengine.kernels import triton_mla  # noqa: E402
 
 L, R = 512, 64
 DEV = "cuda"  # --smoke runs the whole flow on CPU under the Triton interpreter
@@ -251,8 +251,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 class ShapeRunner:
     def __init__(self, shape: tuple[int, int, int], rep: int) -> None:
-        from kernels import mla as mla_ref
-        from kernels.workspace import Workspace
+        from tinyengine.kernels import mla as mla_ref
+        from tinyengine.kernels.workspace import Workspace
 
         self.batch, self.heads, self.ctx = shape
         self.rep = rep

@@ -56,9 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from kernels import moe as moe_ref  # noqa: E402
-from kernels import triton_moe as tm  # noqa: E402
-from kernels.workspace import Workspace  # noqa: E402
+from tinyengine.kernels import moe as moe_ref  # noqa: E402
+from tinyengine.kernels import triton_moe as tm  # noqa: E402
+from tinyengine.kernels.workspace import Workspace  # noqa: E402
 
 E, K, D, I = 256, 8, 7168, 2048
 DEV = "cuda"  # --smoke: "cpu" (and tiny E, K, D, I)

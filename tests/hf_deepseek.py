@@ -120,6 +120,7 @@ def load_hf(path: str | Path, **config_overrides: Any) -> Any:
         str(path),
         dtype=torch.float32,
         attn_implementation="eager",
+        use_kernels=False,
         experts_implementation="eager",
         **config_overrides,
     )

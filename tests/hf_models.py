@@ -120,7 +120,11 @@ def load_hf_model(path: str | Path, **config_overrides: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager", **config_overrides
+        str(path),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        use_kernels=False,
+        **config_overrides,
     )
     return model.eval()
 

@@ -40,8 +40,8 @@ def serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from tinyengine.api import ServerSettings, create_app
-    from tinyengine.api.settings import engine_option_types
+    from tinyengine.serve import ServerSettings, create_app
+    from tinyengine.serve.settings import engine_option_types
 
     # Environment variables first (as `uvicorn server:app` reads them); flags win.
     base = ServerSettings.from_env()
@@ -62,7 +62,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _add_serve_parser(sub: Any) -> None:
-    from tinyengine.api.settings import engine_option_types, parse_option
+    from tinyengine.serve.settings import engine_option_types, parse_option
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     # `serve MODEL` (vLLM's form) or `serve --model MODEL`.

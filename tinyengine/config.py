@@ -175,7 +175,7 @@ class EngineConfig:
         if self.block_size is None:
             self.block_size = 16
             if device == "cuda" and self.resolved_attention_backend(device) == "triton":
-                from models.registry import get_model_class
+                from tinyengine.models.registry import get_model_class
 
                 self.block_size = getattr(get_model_class(hf_config), "cuda_block_size", 16)
         return self.block_size

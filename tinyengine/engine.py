@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from kernels import jit_monitor
-from models.loader import load_hf_config
 from tinyengine.config import EngineConfig
 from tinyengine.detokenizer import IncrementalDetokenizer, find_stop_string
+from tinyengine.kernels import jit_monitor
+from tinyengine.models.loader import load_hf_config
 from tinyengine.outputs import CompletionOutput, Logprob, RequestOutput
 from tinyengine.sampling_params import RequestOutputKind, SamplingParams
 from tinyengine.scheduling.block_manager import BlockManager

@@ -95,12 +95,12 @@ def run_warmup(engine: LLMEngine, graph_sizes: list[int]) -> None:
 def _moe_token_counts(model: torch.nn.Module, max_tokens: int) -> list[int]:
     """One token count per fused-MoE size class of the model's MoE layers
     (none for a dense model)."""
-    from models.moe import DeepseekMoE
+    from tinyengine.models.moe import DeepseekMoE
 
     shapes = {(m.gate.cfg.top_k, m.experts.num_experts)
               for m in model.modules() if isinstance(m, DeepseekMoE)}  # fmt: skip
     if not shapes:
         return []
-    from kernels.moe_tiles import moe_token_classes
+    from tinyengine.kernels.moe_tiles import moe_token_classes
 
     return sorted({t for k, e in shapes for t in moe_token_classes(max_tokens, k, e)})

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from models.registry import get_model_class
 from tinyengine.bench.roofline import (
     ExpertLayer,
     WeightInventory,
@@ -20,6 +19,7 @@ from tinyengine.bench.roofline import (
     mean_decode_context,
 )
 from tinyengine.bench.routing import distinct_experts
+from tinyengine.models.registry import get_model_class
 
 # 1000 dense bytes, a 100-row embedding of 10 bytes per row, one MoE layer of
 # 8 experts (100 bytes each), 2 picked per token.

@@ -24,7 +24,7 @@ def hf_texts(smollm2_path):
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(
-        smollm2_path, dtype=torch.float32, attn_implementation="eager"
+        smollm2_path, dtype=torch.float32, attn_implementation="eager", use_kernels=False
     )
     texts = []
     for q in QUESTIONS:

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import get_attention_ops
-from kernels.attention import paged_attention, write_kv_cache
+from tinyengine.kernels import get_attention_ops
+from tinyengine.kernels.attention import paged_attention, write_kv_cache
 
 
 @dataclass
@@ -177,7 +177,7 @@ def test_dense_decode_path_matches_varlen_path() -> None:
     """Without *_cpu lists (a decode inside a CUDA graph) the op takes the
     dense, device-only path; it must agree with the exact varlen path, with or
     without a workspace arena."""
-    from kernels.workspace import Workspace
+    from tinyengine.kernels.workspace import Workspace
 
     torch.manual_seed(0)
     q = torch.randn(3, 4, 8)
@@ -216,7 +216,7 @@ def test_write_kv_cache_skips_negative_slots() -> None:
 def test_get_attention_ops() -> None:
     ops = get_attention_ops("torch")
     assert ops.paged_attention is paged_attention and ops.write_kv_cache is write_kv_cache
-    from kernels import triton_attention
+    from tinyengine.kernels import triton_attention
 
     triton_ops = get_attention_ops("triton")
     assert triton_ops.paged_attention is triton_attention.paged_attention

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device_fn import device_fn
+from tinyengine.kernels.device_fn import device_fn
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

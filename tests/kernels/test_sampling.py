@@ -18,8 +18,8 @@ import warnings
 import pytest
 import torch
 
-from kernels import sampling
-from kernels.sampling import (
+from tinyengine.kernels import sampling
+from tinyengine.kernels.sampling import (
     gumbel_argmax_torch,
     gumbel_argmax_triton,
     gumbel_noise_torch,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from tinyengine.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ULP = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}

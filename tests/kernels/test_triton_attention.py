@@ -18,8 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import triton_attention as ta
-from kernels.workspace import Workspace
+from tinyengine.kernels import triton_attention as ta
+from tinyengine.kernels.workspace import Workspace
 
 HAS_TORCH_REF = importlib.util.find_spec("kernels.attention") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,7 +120,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 def check_against_torch_reference(batch: Batch, out: torch.Tensor) -> None:
     if not HAS_TORCH_REF:
         return
-    from kernels import attention
+    from tinyengine.kernels import attention
 
     ref = attention.paged_attention(
         *batch.args(), max_query_len=max(batch.q_lens), max_seq_len=max(batch.seq_lens),
@@ -418,7 +418,7 @@ def test_int32_offsets_only_when_the_strided_view_fits():
     """K and V share the rows of one allocation (kv_cache.py), so a K view of
     N elements reaches offsets up to ~2N: the int32 address path must be
     chosen from the largest reachable offset, not from numel()."""
-    from kernels.triton_attention import _offsets_fit_32
+    from tinyengine.kernels.triton_attention import _offsets_fit_32
 
     def caches(num_blocks: int):
         storage = torch.empty(

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.cache_write import write_kv_cache_triton
+from tinyengine.kernels.cache_write import write_kv_cache_triton
 
 HAS_TORCH_REF = importlib.util.find_spec("kernels.attention") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,7 +49,7 @@ def test_write_matches_naive(dtype: torch.dtype) -> None:
     write_kv_cache_triton(k, v, kc, vc, slots)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # a copy is exact
     if HAS_TORCH_REF:
-        from kernels.attention import write_kv_cache
+        from tinyengine.kernels.attention import write_kv_cache
 
         kc2, vc2 = kc_ref.clone(), vc_ref.clone()
         write_kv_cache(k, v, kc2, vc2, slots)

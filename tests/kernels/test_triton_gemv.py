@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.gemv as gemv
-from kernels.gemv import GemvConfig, pick_config, skinny_linear, skinny_linear_torch
+import tinyengine.kernels.gemv as gemv
+from tinyengine.kernels.gemv import GemvConfig, pick_config, skinny_linear, skinny_linear_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}
@@ -177,7 +177,7 @@ def test_dispatch_uses_kernel_when_predicate_holds(monkeypatch: pytest.MonkeyPat
 
 
 def test_layers_use_f_linear_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from models.layers import ParallelLMHead, QKVParallelLinear
+    from tinyengine.models.layers import ParallelLMHead, QKVParallelLinear
 
     def boom(*a, **kw):
         raise AssertionError("kernel must not run on CPU")

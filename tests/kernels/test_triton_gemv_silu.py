@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.gemv as gemv
-import kernels.gemv_silu as gemv_silu
-from kernels.activation import silu_and_mul_triton
-from kernels.gemv import GemvConfig, skinny_linear
-from kernels.gemv_silu import (
+import tinyengine.kernels.gemv as gemv
+import tinyengine.kernels.gemv_silu as gemv_silu
+from tinyengine.kernels.activation import silu_and_mul_triton
+from tinyengine.kernels.gemv import GemvConfig, skinny_linear
+from tinyengine.kernels.gemv_silu import (
     linear_silu_mul,
     skinny_linear_silu_mul,
     skinny_linear_silu_mul_torch,

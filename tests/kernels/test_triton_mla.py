@@ -20,9 +20,9 @@ import math
 import pytest
 import torch
 
-from kernels import mla as mla_ref
-from kernels import triton_mla
-from kernels.workspace import Workspace
+from tinyengine.kernels import mla as mla_ref
+from tinyengine.kernels import triton_mla
+from tinyengine.kernels.workspace import Workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
@@ -359,7 +359,7 @@ def test_engine_caches_take_the_tma_path() -> None:
     # 64-row tiles of mla_config's bf16 choice can be whole-page TMA copies;
     # on 16-token blocks they cannot, and neither can a cache whose blocks do
     # not abut or whose rows are not 16-byte multiples.
-    from models.context import KVCacheSpec
+    from tinyengine.models.context import KVCacheSpec
     from tinyengine.worker.kv_cache import allocate_kv_cache
 
     spec = KVCacheSpec(3, 1, 576, 0)
@@ -384,7 +384,7 @@ def test_gpu_gluon_split_kernel(heads: int, dtype: torch.dtype) -> None:
     # serves, on a NaN-poisoned cache: empty rows, one row, a page +- 1, a
     # partial last tile after several whole ones; direct and split; against
     # the fp64 reference and against the Triton kernel.
-    from kernels import mla_gluon
+    from tinyengine.kernels import mla_gluon
 
     b = LatentBatch([0, 1, 63, 64, 65, 130, 300], heads=heads, latent=512, rope=64,
                     block_size=64, dtype=dtype, seed=11)  # fmt: skip

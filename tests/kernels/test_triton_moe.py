@@ -16,9 +16,9 @@ import itertools
 import pytest
 import torch
 
-from kernels import moe as moe_ref
-from kernels import triton_moe
-from kernels.workspace import Workspace
+from tinyengine.kernels import moe as moe_ref
+from tinyengine.kernels import triton_moe
+from tinyengine.kernels.workspace import Workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative Frobenius. bf16: the interpreter truncates fp32->bf16 casts (the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm import rms_norm_torch, rms_norm_triton
+from tinyengine.kernels.norm import rms_norm_torch, rms_norm_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 -> bf16/fp16 casts truncate under the interpreter (torch rounds): a

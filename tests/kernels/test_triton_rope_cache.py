@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import write_kv_cache
-from kernels.norm import rms_norm_torch
-from kernels.rope_cache import rope_write_kv_torch
-from kernels.triton_rope_cache import rope_write_kv_triton
+from tinyengine.kernels.attention import write_kv_cache
+from tinyengine.kernels.norm import rms_norm_torch
+from tinyengine.kernels.rope_cache import rope_write_kv_torch
+from tinyengine.kernels.triton_rope_cache import rope_write_kv_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

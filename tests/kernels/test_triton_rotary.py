@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
+from tinyengine.kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ULP = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}

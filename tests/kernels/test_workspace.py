@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.workspace import ALIGNMENT, Workspace, WorkspaceLockedError
+from tinyengine.kernels.workspace import ALIGNMENT, Workspace, WorkspaceLockedError
 
 MIB = 1 << 20
 DTYPES = [torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32]

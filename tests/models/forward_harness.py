@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import get_attention_ops
-from models.context import AttentionMetadata, ForwardContext
-from models.loader import load_hf_config, load_model
+from tinyengine.kernels import get_attention_ops
+from tinyengine.models.context import AttentionMetadata, ForwardContext
+from tinyengine.models.loader import load_hf_config, load_model
 
 
 def load_tiny(

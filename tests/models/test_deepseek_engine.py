@@ -13,9 +13,9 @@ from collections import Counter
 import pytest
 import torch
 
-from models.mla import MLAAttention
 from tests.hf_deepseek import hf_greedy, make_tiny_deepseek
 from tinyengine import LLM, SamplingParams
+from tinyengine.models.mla import MLAAttention
 
 MAX_NEW = 8
 TOL = 1e-4

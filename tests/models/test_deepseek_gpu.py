@@ -16,7 +16,7 @@ PROMPTS = [[5, 6, 7], list(range(3, 40)), [9] * 20, [11, 12], list(range(100, 11
 
 @pytest.mark.parametrize("variant", ["v3", "v2-lite"])
 def test_deepseek_graphs_equal_eager_equal_hf(tmp_path, variant):
-    from kernels import jit_monitor
+    from tinyengine.kernels import jit_monitor
 
     path = make_tiny_deepseek(variant, tmp_path)
     hf_tokens, _ = hf_greedy(path, PROMPTS, 10)
@@ -40,7 +40,7 @@ def test_v3_attention_widths_decode_with_the_gluon_kernel(tmp_path, monkeypatch)
     rest tiny): the engine picks 64-token cache blocks, decode runs the
     Hopper Gluon MLA kernel (kernels/mla_gluon.py) inside the CUDA graphs,
     nothing compiles after READY, and greedy tokens with graphs equal eager."""
-    from kernels import jit_monitor, mla_gluon
+    from tinyengine.kernels import jit_monitor, mla_gluon
 
     launches = []
     real_launch = mla_gluon.launch_split

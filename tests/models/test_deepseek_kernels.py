@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.mla import mla_decode
-from kernels.moe import _fused_moe_dense, fused_moe
-from kernels.workspace import Workspace
-from models.mla import mla_decode_op
-from models.moe import fused_moe_op
+from tinyengine.kernels.mla import mla_decode
+from tinyengine.kernels.moe import _fused_moe_dense, fused_moe
+from tinyengine.kernels.workspace import Workspace
+from tinyengine.models.mla import mla_decode_op
+from tinyengine.models.moe import fused_moe_op
 
 # ----------------------------------------------------------------------------- MLA decode
 
@@ -173,8 +173,7 @@ def test_fused_moe_bf16_and_bad_ids():
 
 
 def test_dispatch_falls_back_to_references(monkeypatch):
-    import kernels.mla
-    import kernels.moe
+    import tinyengine.kernels as kernels
 
     assert mla_decode_op("torch") is kernels.mla.mla_decode
     assert fused_moe_op("torch") is kernels.moe.fused_moe
@@ -182,11 +181,9 @@ def test_dispatch_falls_back_to_references(monkeypatch):
     # the Triton op set still gets working MLA/MoE ops: the references.
     mla_decode_op.cache_clear()
     fused_moe_op.cache_clear()
-    import kernels
-
     for name in ("triton_mla", "triton_moe"):
         monkeypatch.delattr(kernels, name, raising=False)
-        monkeypatch.setitem(sys.modules, f"kernels.{name}", None)
+        monkeypatch.setitem(sys.modules, f"tinyengine.kernels.{name}", None)
     try:
         assert mla_decode_op("triton") is kernels.mla.mla_decode
         assert fused_moe_op("triton") is kernels.moe.fused_moe

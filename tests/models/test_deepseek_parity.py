@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kernels import get_attention_ops
-from kernels.moe import _fused_moe_dense
-from models.context import AttentionMetadata, ForwardContext
 from tests.hf_deepseek import VARIANTS, hf_logits, make_config, make_tiny_deepseek
 from tests.models.forward_harness import PagedHarness, load_tiny
+from tinyengine.kernels import get_attention_ops
+from tinyengine.kernels.moe import _fused_moe_dense
+from tinyengine.models.context import AttentionMetadata, ForwardContext
 
 TOL = 1e-4
 
@@ -122,13 +122,13 @@ def test_decode_without_host_lengths_reads_nothing_on_host(tiny, monkeypatch):
     """The decode path as captured in a CUDA graph: with the MoE in its
     graph-safe dense form, nothing in the model may read a tensor on the host
     (any .item()/.tolist()/bool()/int() raises here)."""
-    import models.moe
+    import tinyengine.models.moe as moe_module
 
     path = tiny("v3")
     a, b = _tokens(20, 5), _tokens(7, 6)
     harness = PagedHarness(load_tiny(path), block_size=4, num_blocks=64)
     harness.step({0: a[:19], 1: b[:6]})
-    monkeypatch.setattr(models.moe, "fused_moe_op", lambda backend: _dense_op)
+    monkeypatch.setattr(moe_module, "fused_moe_op", lambda backend: _dense_op)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host read of a device tensor on the decode path")
@@ -161,8 +161,8 @@ def _hf_router(variant: str, **overrides):
 @pytest.mark.parametrize("variant", ["v3", "v2-lite", "v2-group"])
 @pytest.mark.parametrize("ties", ["none", "duplicate-experts", "all-equal"])
 def test_routing_matches_hf_router(variant, ties):
-    from models.deepseek import DeepseekArgs
-    from models.moe import TopkRouter
+    from tinyengine.models.deepseek import DeepseekArgs
+    from tinyengine.models.moe import TopkRouter
 
     config, hf = _hf_router(variant, n_routed_experts=16, num_experts_per_tok=4)
     args = DeepseekArgs(config.to_dict(), is_v3=VARIANTS[variant][0] == "v3")
@@ -285,7 +285,7 @@ def test_latent_cache_spec_and_bf16_rules(tiny):
 
 
 def test_config_errors_are_explained():
-    from models.deepseek import DeepseekV3ForCausalLM
+    from tinyengine.models.deepseek import DeepseekV3ForCausalLM
 
     config = make_config("v3").to_dict()
     with pytest.raises(ValueError, match="topk_group"):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.layers import QKVParallelLinear, RMSNorm, packed_weight_loader
-from models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-from models.rotary import RotaryEmbedding, get_rope_parameters
 from tests.hf_models import LLAMA3_ROPE, YARN_ROPE
+from tinyengine.models.layers import QKVParallelLinear, RMSNorm, packed_weight_loader
+from tinyengine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from tinyengine.models.rotary import RotaryEmbedding, get_rope_parameters
 
 TINY = dict(
     architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,

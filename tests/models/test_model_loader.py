@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import models.loader as loader
-from models.loader import load_hf_config
-from models.registry import get_model_class, supported_architectures
+import tinyengine.models.loader as loader
 from tests.hf_models import make_tiny_hf_model
 from tests.models.forward_harness import load_tiny
+from tinyengine.models.loader import load_hf_config
+from tinyengine.models.registry import get_model_class, supported_architectures
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 

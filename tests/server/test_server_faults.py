@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from tests.server.conftest import free_port
-from tinyengine.api import ServerSettings, create_app
+from tinyengine.serve import ServerSettings, create_app
 
 POISON = 13  # a prompt containing this token id makes the runner raise
 

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from tinyengine.api.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings, parse_option
-from tinyengine.metrics import ServerMetrics
 from tinyengine.models_presets import PresetError, resolve_model, served_model_name
-from tinyengine.openai_protocol import (
+from tinyengine.serve.metrics import ServerMetrics
+from tinyengine.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
 )
+from tinyengine.serve.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings, parse_option
 
 
 def test_settings_from_env_parse_every_kind_of_field():

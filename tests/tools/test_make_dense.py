@@ -56,7 +56,7 @@ def test_plan_matches_transformers_and_our_model(name):
     memory), and every tensor routes into one of our model's parameters."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from models.registry import get_model_class
+    from tinyengine.models.registry import get_model_class
 
     config = preset_config(name)
     plan = {s.name: s.shape for s in plan_tensors(config)}

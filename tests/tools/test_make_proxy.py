@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models.deepseek import DeepseekV3ForCausalLM
+from tinyengine.models.deepseek import DeepseekV3ForCausalLM
 from tinyengine.tools import make_proxy
 from tinyengine.tools.make_proxy import (
     PRESETS,

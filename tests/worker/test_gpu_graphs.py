@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.workspace import Workspace, WorkspaceLockedError
 from tests.hf_models import hf_greedy, make_tiny_hf_model
 from tinyengine import LLM, SamplingParams
+from tinyengine.kernels.workspace import Workspace, WorkspaceLockedError
 
 pytestmark = pytest.mark.gpu
 
 
 def _late_compiles(llm) -> list[str]:
-    from kernels import jit_monitor
+    from tinyengine.kernels import jit_monitor
 
     return jit_monitor.compiled_since(llm.engine._jit_compiles_at_ready)
 

@@ -26,9 +26,9 @@ import time
 import pytest
 import torch
 
-from kernels.workspace import WorkspaceLockedError
 from tests.hf_models import hf_greedy, make_tiny_hf_model
 from tinyengine import LLM, SamplingParams
+from tinyengine.kernels.workspace import WorkspaceLockedError
 from tinyengine.worker.cuda_graphs import RecordingGraphBackend, StaleGraphAddressError
 
 

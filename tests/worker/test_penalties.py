@@ -205,7 +205,7 @@ def test_penalties_on_cuda_graphs_async_equals_sync(llama_path):
     """On the GPU (fused sampler, CUDA graphs, real asynchronous copies): the
     penalized greedy tokens do not depend on async scheduling, equal HF's
     repetition_penalty in fp32, and nothing compiles after READY."""
-    from kernels import jit_monitor
+    from tinyengine.kernels import jit_monitor
 
     model = load_hf_model(llama_path).cuda()
     model.generation_config.eos_token_id = None

@@ -283,7 +283,7 @@ def llama_path(tmp_path_factory) -> str:
 
 def _workspace_requests(monkeypatch) -> list[tuple[str, int]]:
     """Record (stage, bytes asked) of every workspace request from now on."""
-    from kernels import workspace as ws_mod
+    from tinyengine.kernels import workspace as ws_mod
 
     log: list[tuple[str, int]] = []
     original = ws_mod.Workspace.get

@@ -174,8 +174,8 @@ class Resolved:
 def resolve_engine(folder: str, kwargs: dict[str, Any]) -> Resolved:
     """EngineConfig's own resolution of device, dtype and limits, so HF runs
     in exactly the engine's dtype and bad sizes fail before anything loads."""
-    from models.loader import load_hf_config
     from tinyengine.config import EngineConfig
+    from tinyengine.models.loader import load_hf_config
 
     try:
         config = EngineConfig.from_kwargs(folder, **kwargs)

@@ -63,7 +63,8 @@ class HFRunner:
         except ImportError as e:
             raise BenchError("--compare hf needs transformers (pip install transformers)") from e
         start = time.perf_counter()
-        options = dict(dtype=self.dtype, attn_implementation="sdpa", trust_remote_code=False)
+        options = dict(dtype=self.dtype, attn_implementation="sdpa", trust_remote_code=False,
+                       use_kernels=False)  # fmt: skip
         try:  # straight onto the device (needs accelerate); else load, then move
             model = AutoModelForCausalLM.from_pretrained(
                 self.folder, device_map=self.device, **options

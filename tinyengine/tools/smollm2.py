@@ -132,7 +132,9 @@ def _build(gguf_path: Path, out: Path) -> None:
     start = time.perf_counter()
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        src_dir, gguf_file=name, dtype=torch.float32, use_kernels=False
+    )
 
     # save_pretrained refuses a gguf-"quantized" model, although the weights are
     # already de-quantized to float32: write them ourselves. The embeddings are

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from models.context import KVCacheSpec
+from tinyengine.models.context import KVCacheSpec
 
 
 def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
-import kernels
-from kernels.workspace import Workspace
-from models.context import AttentionMetadata, ForwardContext
-from models.loader import load_model
-from models.rotary import RopeCache
 from tinyengine.config import EngineConfig
+from tinyengine.kernels import get_attention_ops
+from tinyengine.kernels.workspace import Workspace
+from tinyengine.models.context import AttentionMetadata, ForwardContext
+from tinyengine.models.loader import load_model
+from tinyengine.models.rotary import RopeCache
 from tinyengine.scheduling.scheduler import SchedulerOutput
 from tinyengine.worker.block_table import HostBlockTable
 from tinyengine.worker.cuda_graphs import (
@@ -67,7 +67,7 @@ class ModelRunner:
         backend = config.resolved_attention_backend(self.device.type)
         if backend == "triton" and self.device.type == "cpu":
             _enable_triton_interpreter()
-        self.attention_ops = kernels.get_attention_ops(backend)
+        self.attention_ops = get_attention_ops(backend)
         self.sampler = Sampler(self.device, seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.histories: dict[str, TokenHistory] = {}  # requests with penalties

@@ -238,7 +238,7 @@ class Sampler:
         and filter path). `logits`: penalized, `raw`: not (for logprobs)."""
         # Imported here: importing triton at module import would break the
         # runner's switch to the Triton interpreter on CPU.
-        from kernels.sampling import gumbel_argmax_triton
+        from tinyengine.kernels.sampling import gumbel_argmax_triton
 
         vocab = logits.shape[-1]
         greedy = [p.temperature < _GREEDY_EPS for p in params]

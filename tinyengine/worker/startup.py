@@ -124,6 +124,7 @@ class StartupMachine:
         self.state = Stage.CREATED
         self.error: BaseException | None = None
         self.report = StartupReport()
+        self.running: str | None = None  # the transition in progress ("profile", ...), if any
 
     # --- the transitions, one method each ---
 
@@ -195,14 +196,17 @@ class StartupMachine:
         growths_before = target.workspace_growths()
         memory_before = target.memory_in_use()
         start = time.perf_counter()
+        self.running = name
         try:
             result = work()
         except BaseException as exc:
+            self.running = None
             self.state = Stage.FAILED
             self.error = exc
             self.report.state = Stage.FAILED.value
             self.report.error = f"{name}: {type(exc).__name__}: {exc}"
             raise
+        self.running = None
         skipped = name == "capture" and result is None
         self.report.stages.append(
             StageRecord(

@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models.layers import default_weight_loader
-from models.registry import get_model_class
+from tinyengine.models.layers import default_weight_loader
+from tinyengine.models.registry import get_model_class
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")

@@ -32,7 +32,7 @@ class AttentionOps:
 
 def get_attention_ops(name: str) -> AttentionOps:
     if name == "torch":
-        from kernels import attention, rope_cache
+        from tinyengine.kernels import attention, rope_cache
 
         return AttentionOps(
             "torch",
@@ -41,7 +41,7 @@ def get_attention_ops(name: str) -> AttentionOps:
             rope_cache.rope_write_kv_torch,
         )
     if name == "triton":
-        from kernels import triton_attention, triton_rope_cache
+        from tinyengine.kernels import triton_attention, triton_rope_cache
 
         return AttentionOps(
             "triton",

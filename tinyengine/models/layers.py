@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.context import ForwardContext
+from tinyengine.models.context import ForwardContext
 
 
 def check_tp(tp_rank: int, tp_size: int) -> None:
@@ -76,7 +76,7 @@ def _linear(
     (kernels/gemv.py; TINYENGINE_SKINNY_GEMM=0 turns it off). Imported lazily:
     triton stays unloaded on CPU."""
     if x.is_cuda:
-        from kernels.gemv import linear
+        from tinyengine.kernels.gemv import linear
 
         return linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -217,7 +217,7 @@ class RMSNorm(nn.Module):
         if x.is_cuda and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             # One fused kernel instead of ~6 elementwise launches (same rounding
             # steps; kernels/norm.py). Imported lazily: triton stays unloaded on CPU.
-            from kernels.norm import rms_norm_triton
+            from tinyengine.kernels.norm import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps, residual)
         if residual is None:
@@ -231,7 +231,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.is_contiguous():
-            from kernels.activation import silu_and_mul_triton
+            from tinyengine.kernels.activation import silu_and_mul_triton
 
             return silu_and_mul_triton(x)
         gate, up = x.chunk(2, dim=-1)
@@ -241,7 +241,7 @@ class SiluAndMul(nn.Module):
         """self(gate_up(x)); on CUDA a one-row x (batch-1 decode) runs as one
         GEMV launch with the activation in its epilogue (kernels/gemv.py)."""
         if x.is_cuda:
-            from kernels.gemv_silu import linear_silu_mul
+            from tinyengine.kernels.gemv_silu import linear_silu_mul
 
             return linear_silu_mul(x, gate_up.weight, gate_up.bias)
         return self(gate_up(x))

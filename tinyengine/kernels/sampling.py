@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.device_fn import device_fn
+from tinyengine.kernels.device_fn import device_fn
 
 LOG2E = 1.4426950408889634
 _MAX_BLOCK = 1024  # Philox counters per chunk: 4096 columns; a split is >= 1 chunk

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device_fn import device_fn
+from tinyengine.kernels.device_fn import device_fn
 
 
 def build_cos_sin_cache(

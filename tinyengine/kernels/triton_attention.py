@@ -33,14 +33,18 @@ from typing import Any
 import torch
 import triton
 
-from kernels.attention_kernels import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
-from kernels.attention_tiles import (  # noqa: F401  (re-exported: tests and benchmarks use them here)
+from tinyengine.kernels.attention_kernels import (
+    _decode_reduce_kernel,
+    _decode_split_kernel,
+    _prefill_kernel,
+)
+from tinyengine.kernels.attention_tiles import (  # noqa: F401  (re-exported: tests and benchmarks use them here)
     DECODE_MAX_SPLITS,
     decode_config,
     decode_num_splits,
     prefill_config,
 )
-from kernels.cache_write import write_kv_cache_triton
+from tinyengine.kernels.cache_write import write_kv_cache_triton
 
 LOG2E = 1.4426950408889634
 

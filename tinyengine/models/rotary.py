@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.rope_cache import gather_cos_sin, rotate_neox
+from tinyengine.kernels.rope_cache import gather_cos_sin, rotate_neox
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_ROPE_THETA = 10000.0

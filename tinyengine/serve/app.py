@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from tinyengine.api.checks import check_model
-from tinyengine.api.generate import router as generate_router
-from tinyengine.api.settings import ServerSettings
-from tinyengine.api.tokenize import router as tokenize_router
-from tinyengine.async_engine import AsyncLLMEngine
-from tinyengine.openai_protocol import APIError
+from tinyengine.serve.async_engine import AsyncLLMEngine
+from tinyengine.serve.checks import check_model
+from tinyengine.serve.generate import router as generate_router
+from tinyengine.serve.protocol import APIError
+from tinyengine.serve.settings import ServerSettings
+from tinyengine.serve.tokenize import router as tokenize_router
 
 logger = logging.getLogger("tinyengine.server")
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import write_kv_cache
+from tinyengine.kernels.attention import write_kv_cache
 
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,9 @@ def rope_write_kv_torch(
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope_write_kv: give both q_norm_weight and k_norm_weight, or neither")
     if q_norm_weight is not None and k_norm_weight is not None:
-        from kernels.norm import rms_norm_torch  # imports triton: only when norms are used
+        from tinyengine.kernels.norm import (
+            rms_norm_torch,  # imports triton: only when norms are used
+        )
 
         q = rms_norm_torch(q, q_norm_weight, eps)
         k = rms_norm_torch(k, k_norm_weight, eps)

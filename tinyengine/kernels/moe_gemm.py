@@ -69,7 +69,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.device_fn import device_fn
+from tinyengine.kernels.device_fn import device_fn
 
 
 @device_fn

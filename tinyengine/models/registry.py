@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from tinyengine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from tinyengine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -24,9 +24,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tinyengine.api import responses as R
-from tinyengine.api.checks import check_model, read_body, ready_engine
-from tinyengine.async_engine import (
+from tinyengine.detokenizer import stop_string_holdback
+from tinyengine.outputs import RequestOutput
+from tinyengine.sampling_params import SamplingParams
+from tinyengine.serve import responses as R
+from tinyengine.serve.async_engine import (
     AsyncLLMEngine,
     EngineNotReadyError,
     RequestAbortedError,
@@ -34,16 +36,14 @@ from tinyengine.async_engine import (
     RequestRejectedError,
     RequestStream,
 )
-from tinyengine.detokenizer import stop_string_holdback
-from tinyengine.openai_protocol import (
+from tinyengine.serve.checks import check_model, read_body, ready_engine
+from tinyengine.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
     parse_request,
 )
-from tinyengine.outputs import RequestOutput
-from tinyengine.sampling_params import SamplingParams
 
 router = APIRouter()
 

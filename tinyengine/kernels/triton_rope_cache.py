@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device_fn import device_fn
+from tinyengine.kernels.device_fn import device_fn
 
 
 @device_fn

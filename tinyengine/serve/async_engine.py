@@ -32,9 +32,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tinyengine.metrics import ServerMetrics
 from tinyengine.outputs import RequestOutput
 from tinyengine.sampling_params import SamplingParams
+from tinyengine.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("tinyengine.server")
 
@@ -237,10 +237,7 @@ class AsyncLLMEngine:
             return Health(False, "failed", None, machine.report.error or self._error, seconds)
         if self.ready:
             return Health(True, "ready", None, None, seconds)
-        from tinyengine.worker.startup import TRANSITIONS
-
-        running = next((n for n, (need, _) in TRANSITIONS.items() if need == machine.state), None)
-        return Health(False, state, running, None, seconds)
+        return Health(False, state, machine.running, None, seconds)
 
     def stats(self) -> dict[str, Any] | None:
         """The engine stats as of the end of the last loop iteration."""

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import moe as moe_ref
-from models.context import ForwardContext
-from models.layers import (
+from tinyengine.kernels import moe as moe_ref
+from tinyengine.models.context import ForwardContext
+from tinyengine.models.layers import (
     MergedColumnParallelLinear,
     RowParallelLinear,
     SiluAndMul,
@@ -46,9 +46,9 @@ def fused_moe_op(backend: str) -> Callable[..., torch.Tensor]:
         try:
             # import_module, not `from kernels import ...`: only it reports a
             # missing module as ModuleNotFoundError naming that module.
-            triton_moe = importlib.import_module("kernels.triton_moe")
+            triton_moe = importlib.import_module("tinyengine.kernels.triton_moe")
         except ModuleNotFoundError as err:
-            if err.name != "kernels.triton_moe":
+            if err.name != "tinyengine.kernels.triton_moe":
                 raise
         else:
             return triton_moe.fused_moe

@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_gemm import _down_kernel, _gate_up_kernel
-from kernels.moe_tiles import (  # noqa: F401  (re-exported: tests and the sweep use them here)
+from tinyengine.kernels.moe_gemm import _down_kernel, _gate_up_kernel
+from tinyengine.kernels.moe_tiles import (  # noqa: F401  (re-exported: tests and the sweep use them here)
     CLASS_CONFIGS,
     CLASS_ROWS,
     GEMMS,
@@ -65,8 +65,8 @@ from kernels.moe_tiles import (  # noqa: F401  (re-exported: tests and the sweep
     moe_size_class,
     moe_token_classes,
 )
-from kernels.tma import descriptor, tma_ok
-from kernels.triton_attention import _interpreting, dot_precision
+from tinyengine.kernels.tma import descriptor, tma_ok
+from tinyengine.kernels.triton_attention import _interpreting, dot_precision
 
 # ----------------------------------------------------------------------------- kernels
 

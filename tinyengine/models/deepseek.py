@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.context import ForwardContext, KVCacheSpec
-from models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding, check_tp
-from models.mla import DeepseekRotaryEmbedding, MLAAttention, MLADims, mla_softmax_scale
-from models.moe import DeepseekMoE, MoEConfig, SwiGLUMLP
-from models.rotary import get_rope_parameters
+from tinyengine.models.context import ForwardContext, KVCacheSpec
+from tinyengine.models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding, check_tp
+from tinyengine.models.mla import DeepseekRotaryEmbedding, MLAAttention, MLADims, mla_softmax_scale
+from tinyengine.models.moe import DeepseekMoE, MoEConfig, SwiGLUMLP
+from tinyengine.models.rotary import get_rope_parameters
 
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tinyengine.api.checks import check_model, read_body, ready_engine
-from tinyengine.async_engine import AsyncLLMEngine
-from tinyengine.openai_protocol import ChatMessage, Strict, bad_request, parse_body
+from tinyengine.serve.async_engine import AsyncLLMEngine
+from tinyengine.serve.checks import check_model, read_body, ready_engine
+from tinyengine.serve.protocol import ChatMessage, Strict, bad_request, parse_body
 from tinyengine.tokenizer import Tokenizer
 
 router = APIRouter()

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.context import ForwardContext, KVCacheSpec
-from models.layers import (
+from tinyengine.models.context import ForwardContext, KVCacheSpec
+from tinyengine.models.layers import (
     MergedColumnParallelLinear,
     PagedAttention,
     ParallelLMHead,
@@ -28,7 +28,7 @@ from models.layers import (
     VocabParallelEmbedding,
     check_tp,
 )
-from models.rotary import RotaryEmbedding, get_rope_parameters
+from tinyengine.models.rotary import RotaryEmbedding, get_rope_parameters
 
 _REQUIRED_KEYS = (
     "hidden_size",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.device_fn import device_fn
+from tinyengine.kernels.device_fn import device_fn
 
 # A running max may lag the true one by up to this much (log2 units) before the
 # accumulator is rescaled: softmax weights then reach 2^8, harmless in fp32 and

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from tinyengine.async_engine import AsyncLLMEngine
-from tinyengine.openai_protocol import APIError
+from tinyengine.serve.async_engine import AsyncLLMEngine
+from tinyengine.serve.protocol import APIError
 
 
 def ready_engine(request: Request) -> AsyncLLMEngine:

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import mla as mla_ref
-from models import rotary
-from models.context import ForwardContext
-from models.layers import (
+from tinyengine.kernels import mla as mla_ref
+from tinyengine.models import rotary
+from tinyengine.models.context import ForwardContext
+from tinyengine.models.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RMSNorm,
@@ -126,9 +126,9 @@ def mla_decode_op(backend: str) -> Callable[..., torch.Tensor]:
         try:
             # import_module, not `from kernels import ...`: only it reports a
             # missing module as ModuleNotFoundError naming that module.
-            triton_mla = importlib.import_module("kernels.triton_mla")
+            triton_mla = importlib.import_module("tinyengine.kernels.triton_mla")
         except ModuleNotFoundError as err:
-            if err.name != "kernels.triton_mla":
+            if err.name != "tinyengine.kernels.triton_mla":
                 raise
         else:
             return triton_mla.mla_decode

@@ -8,7 +8,7 @@ responses.py  response, chunk, usage and logprobs bodies
 settings.py   ServerSettings from environment variables or the CLI
 """
 
-from tinyengine.api.app import create_app
-from tinyengine.api.settings import ServerSettings
+from tinyengine.serve.app import create_app
+from tinyengine.serve.settings import ServerSettings
 
 __all__ = ["ServerSettings", "create_app"]

@@ -98,17 +98,17 @@ from typing import Any
 import torch
 import triton
 
-from kernels import mla_gluon
-from kernels.mla_split import RESCALE_THRESHOLD, _mla_reduce_kernel, _mla_split_kernel
-from kernels.mla_tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: tests read them here)
+from tinyengine.kernels import mla_gluon
+from tinyengine.kernels.mla_split import RESCALE_THRESHOLD, _mla_reduce_kernel, _mla_split_kernel
+from tinyengine.kernels.mla_tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: tests read them here)
     _MIN_SPLIT_TOKENS,
     MAX_SPLITS,
     _num_splits_for,
     _warps_for,
     mla_config,
 )
-from kernels.tma import descriptor, tma_ok
-from kernels.triton_attention import LOG2E, _interpreting, _num_sms, dot_precision
+from tinyengine.kernels.tma import descriptor, tma_ok
+from tinyengine.kernels.triton_attention import LOG2E, _interpreting, _num_sms, dot_precision
 
 _REDUCE_CHUNK = 4  # splits the reduce merges per step ([4, 512] fp32 per program)
 

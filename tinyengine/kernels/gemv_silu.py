@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels.gemv as gemv
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.gemv import (
+import tinyengine.kernels.gemv as gemv
+from tinyengine.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from tinyengine.kernels.gemv import (
     GemvConfig,
     _launch,
     _num_sms,
