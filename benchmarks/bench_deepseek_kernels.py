@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from tinyengine.kernels.triton_mla import mla_decode  # noqa: E402
-from tinyengine.kernels.triton_moe import fused_moe  # noqa: E402
+from tinyengine.kernels.mla.triton import mla_decode  # noqa: E402
+from tinyengine.kernels.moe.triton import fused_moe  # noqa: E402
 from tinyengine.kernels.workspace import Workspace  # noqa: E402
 
 DEV = "cuda"

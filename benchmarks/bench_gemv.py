@@ -1,7 +1,7 @@
 """Skinny GEMM benchmark: cuBLAS (F.linear) vs the Triton skinny kernel
-(kernels/gemv.py) on the Llama-3-8B decode shapes, M in {1, 2, 4, 8}, plus a
+(kernels/gemv/triton.py) on the Llama-3-8B decode shapes, M in {1, 2, 4, 8}, plus a
 config sweep (M == 1, and a smaller one for M == 8) printing the best config
-per shape and a SHAPE_CONFIGS snippet to paste into kernels/gemv.py.
+per shape and a SHAPE_CONFIGS snippet to paste into kernels/gemv/tiles.py.
 
     python benchmarks/bench_gemv.py              # everything (< 90 s on an H200)
     python benchmarks/bench_gemv.py --no-sweep   # comparison only
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinyengine.kernels.gemv import GemvConfig, pick_config, skinny_linear  # noqa: E402
+from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config  # noqa: E402
+from tinyengine.kernels.gemv.triton import skinny_linear  # noqa: E402
 
 SHAPES = [  # (name, N, K): Llama-3-8B, tp=1
     ("qkv", 6144, 4096),
@@ -53,7 +54,7 @@ def dot(bn: int, bk: int, w: int, s: int) -> GemvConfig:
     return GemvConfig(bn, bk, w, s, use_dot=True)
 
 
-SWEEP_M1 = [  # fma s=1: register loads; s>=2: cp.async pipelined (see kernels/gemv.py)
+SWEEP_M1 = [  # fma s=1: register loads; s>=2: cp.async pipelined (see kernels/gemv/triton.py)
     fma(2, 1024, 4, 3),
     fma(4, 512, 4, 3),
     fma(4, 1024, 4, 3),
@@ -206,7 +207,7 @@ def main() -> None:
                     f"  {name:<8} {cfg}: {us:.1f} us ({tbs(n, k, us):.2f} TB/s), default {d:.1f} us"
                 )
         print(f"  per-token linear time with the best configs: {total_best / 1e3:.3f} ms")
-        print(f"  paste into kernels/gemv.py SHAPE_CONFIGS (m_bucket {m}):")
+        print(f"  paste into kernels/gemv/triton.py SHAPE_CONFIGS (m_bucket {m}):")
         for name, n, k in SHAPES:
             if name in best:
                 c = best[name][1]

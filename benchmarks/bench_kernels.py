@@ -90,7 +90,7 @@ class Problem:
         self.kv_bytes = 2 * self.k.numel() * 2
 
     def triton(self, workspace: object = None) -> torch.Tensor:
-        from tinyengine.kernels import triton_attention as ta
+        import tinyengine.kernels.attention.triton as ta
 
         return ta.paged_attention(
             self.q, self.k_cache, self.v_cache, self.tables, self.qsl, self.lens, self.d**-0.5,
@@ -111,7 +111,7 @@ class Problem:
 
 
 def bench_decode_shape(batch: int, ctx: int, copy_tbs: float, workspace: object) -> None:
-    from tinyengine.kernels import triton_attention as ta
+    import tinyengine.kernels.attention.triton as ta
 
     p = Problem(batch, 1, ctx, 32, 8, 128)
     splits = ta.decode_num_splits(batch, p.hkv, ctx, ta._num_sms(p.q.device))
@@ -149,10 +149,12 @@ def bench_prefill(mm_tflops: float, quick: bool) -> None:
 
 def bench_elementwise(copy_tbs: float) -> None:
     """16k tokens x 4096 hidden, bf16; bytes = inputs read once + outputs written once."""
-    from tinyengine.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-    from tinyengine.kernels.cache_write import write_kv_cache_triton
-    from tinyengine.kernels.norm import rms_norm_torch, rms_norm_triton
-    from tinyengine.kernels.rotary import (
+    from tinyengine.kernels.activation.reference import silu_and_mul_torch
+    from tinyengine.kernels.activation.triton import silu_and_mul_triton
+    from tinyengine.kernels.attention.cache_write import write_kv_cache_triton
+    from tinyengine.kernels.norm.reference import rms_norm_torch
+    from tinyengine.kernels.norm.triton import rms_norm_triton
+    from tinyengine.kernels.rope.rotary import (
         apply_rotary_torch,
         apply_rotary_triton,
         build_cos_sin_cache,
@@ -214,7 +216,7 @@ def _try(label: str, fn: Callable[[], object], work: float, unit: str, graph: bo
 
 def sweep() -> None:
     """Try tile configs for the two attention kernels (for choosing defaults)."""
-    from tinyengine.kernels import triton_attention as ta
+    import tinyengine.kernels.attention.triton as ta
     from tinyengine.kernels.workspace import Workspace
 
     workspace = Workspace("cuda")

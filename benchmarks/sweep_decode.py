@@ -7,7 +7,7 @@ only a few K/V tiles and the kernel is bound by latency, not bandwidth.
 For each shape prints TB/s (K/V bytes of the context / time, CUDA-graph
 replay) for (BLOCK_N, num_warps, num_stages) configs, the current default's
 figure, and the best. A script: it measures and prints, asserts nothing, and
-never changes a kernel default (edit kernels/triton_attention.py after).
+never changes a kernel default (edit kernels/attention/triton.py after).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=100.0, help="seconds, then stop")
     args = parser.parse_args()
-    from tinyengine.kernels import triton_attention as ta
+    import tinyengine.kernels.attention.triton as ta
     from tinyengine.kernels.workspace import Workspace
 
     workspace, t0 = Workspace("cuda"), time.perf_counter()

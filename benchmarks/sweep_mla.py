@@ -1,4 +1,4 @@
-"""MLA decode tuning sweep for kernels/triton_mla.py on the GPU (prints figures;
+"""MLA decode tuning sweep for kernels/mla/triton.py on the GPU (prints figures;
 not a test). It times a grid of tile configurations and split counts per
 DeepSeek-V3 decode shape and prints, per shape, the best configuration next to
 mla_config's choice (the heuristic the engine uses) and the previous defaults.
@@ -14,7 +14,7 @@ medians of CUDA-graph replays (triton.testing.do_bench_cudagraph, L2 not
 flushed). TB/s counts the latent cache bytes of the live context once
 (B * ctx * (L + R) * 2); TFLOP/s counts 2*B*H*ctx*(L+R) for the scores plus
 2*B*H*ctx*L for the weighted sum. `err` is the relative Frobenius error
-against the torch reference (kernels/mla.py); anything above 2e-2 is flagged.
+against the torch reference (kernels/mla/reference.py); anything above 2e-2 is flagged.
 
 Two stages, to stay inside the time budget:
   1. every tile configuration at the split count mla_config's cost model
@@ -27,9 +27,9 @@ goes on. Owns no kernel code: it only passes mla_decode's override kwargs.
 
 Reading it: the `best per shape` table is what to set the defaults from:
 _HEADS_PER_PROGRAM / _BLOCK_N / _NUM_STAGES / _warps_for in
-kernels/mla_tiles.py (_NUM_STAGES_TMA: which head blocks load pages through TMA)
+kernels/mla/tiles.py (_NUM_STAGES_TMA: which head blocks load pages through TMA)
 from the tile that wins (or is within a few % on) the H=128 shapes, and the
-split cost model's constants in kernels/mla_tiles.py (_ASSUMED_TFLOPS,
+split cost model's constants in kernels/mla/tiles.py (_ASSUMED_TFLOPS,
 _RESIDENT_PROGRAMS, ...) from whether `heur S` matches `best S`.
 """
 
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from tinyengine.kernels import triton_mla  # noqa: E402
+import tinyengine.kernels.mla.triton as triton_mla  # noqa: E402
 
 L, R = 512, 64
 DEV = "cuda"  # --smoke runs the whole flow on CPU under the Triton interpreter
@@ -74,7 +74,7 @@ class Tile:
     lazy: bool  # LAZY_RESCALE
     block_size: int  # the cache's block size the tile runs on
     old_splits: bool = False  # split count from the previous heuristic
-    gluon: bool = False  # the Hopper Gluon split kernel (kernels/mla_gluon.py)
+    gluon: bool = False  # the Hopper Gluon split kernel (kernels/mla/gluon.py)
 
 
 # Naming: g = the Gluon kernel (TMA pages; its only shape), t = the Triton
@@ -203,7 +203,7 @@ def _compile_worker(job: tuple[int, int, Tile, bool]) -> tuple[str, str, float]:
     t0 = time.time()
     try:
         args = make_inputs(2, heads, ctx, block_size=tile.block_size)
-        triton_mla.mla_decode(*args, max_seq_len=ctx, **run_kwargs(tile, 1 if direct else 2))
+        triton_mla.launch_mla_decode(*args, max_seq_len=ctx, **run_kwargs(tile, 1 if direct else 2))
         _sync()
         status = "ok"
     except Exception as err:  # noqa: BLE001 - reported, the sweep goes on
@@ -251,7 +251,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 class ShapeRunner:
     def __init__(self, shape: tuple[int, int, int], rep: int) -> None:
-        from tinyengine.kernels import mla as mla_ref
+        import tinyengine.kernels.mla.reference as mla_ref
         from tinyengine.kernels.workspace import Workspace
 
         self.batch, self.heads, self.ctx = shape
@@ -273,7 +273,9 @@ class ShapeRunner:
         args, ref = self.inputs[tile.block_size]
 
         def fn() -> torch.Tensor:
-            return triton_mla.mla_decode(*args, max_seq_len=self.ctx, workspace=self.ws, **kwargs)
+            return triton_mla.launch_mla_decode(
+                *args, max_seq_len=self.ctx, workspace=self.ws, **kwargs
+            )
 
         res = Result(self.batch, self.heads, self.ctx, tile.name, splits, None, None, None, None)
         try:

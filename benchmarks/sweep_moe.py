@@ -38,7 +38,7 @@ on-disk cache; the measuring process then only loads the binaries).
 Compile/launch failures are caught and printed. A time budget (--budget)
 skips what is left once it is spent; the summary still prints.
 
-Uses kernels/triton_moe.py's private launch helpers (_scratch, _group,
+Uses kernels/moe/triton.py's private launch helpers (_scratch, _group,
 _gate_up_launch, _down_launch, _sum_topk) to time one GEMM at a time.
 """
 
@@ -56,8 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from tinyengine.kernels import moe as moe_ref  # noqa: E402
-from tinyengine.kernels import triton_moe as tm  # noqa: E402
+import tinyengine.kernels.moe.reference as moe_ref  # noqa: E402
+import tinyengine.kernels.moe.triton as tm  # noqa: E402
 from tinyengine.kernels.workspace import Workspace  # noqa: E402
 
 E, K, D, I = 256, 8, 7168, 2048
@@ -110,7 +110,7 @@ def candidates(cls: int, gemm: str, heur: dict[str, int]) -> tuple[list[dict], l
             shapes = [(64, 128, 4), (64, 256, 4), (64, 256, 8), (128, 128, 4), (128, 128, 8),
                       (128, 256, 8)]  # fmt: skip
         tiles = [_tile(bm, bn, 64, w, st, 8) for bm, bn, w in shapes for st in (3, 4)]
-        # TMA (kernels/triton_moe.py's "tma"): 1 = weight tiles through tensor
+        # TMA (kernels/moe/triton.py's "tma"): 1 = weight tiles through tensor
         # descriptors, 2 = activations too (gate_up then gathers x into sorted
         # order first; its timing includes that gather). Around the pointer
         # path's best 128-row tiles.
@@ -209,7 +209,7 @@ def check_configs(variants: list) -> None:
     ref = moe_ref.fused_moe(x, w13, w2, weights, ids)
     bad = 0
     for (gemm, _), c in variants:
-        out = tm.fused_moe(x, w13, w2, weights, ids, config={gemm: c})
+        out = tm.launch_fused_moe(x, w13, w2, weights, ids, config={gemm: c})
         err = ((out - ref).norm() / ref.norm()).item()
         ok = err < 1e-4 and not out.isnan().any()
         bad += not ok
@@ -352,7 +352,9 @@ class Sweep:
         ref = moe_ref.fused_moe(x, self.w13, self.w2, weights, ids)
 
         def full(cfg=None) -> torch.Tensor:
-            return tm.fused_moe(x, self.w13, self.w2, weights, ids, workspace=self.ws, config=cfg)
+            return tm.launch_fused_moe(
+                x, self.w13, self.w2, weights, ids, workspace=self.ws, config=cfg
+            )
 
         def err_of(out: torch.Tensor, want: torch.Tensor) -> float:
             return ((out.float() - want.float()).norm() / want.float().norm()).item()
@@ -557,7 +559,7 @@ class Sweep:
                 x, weights, ids = self.routing(t)
                 ms = []
                 for side in (c - 1, c):
-                    run = functools.partial(tm.fused_moe, x, self.w13, self.w2, weights, ids,
+                    run = functools.partial(tm.launch_fused_moe, x, self.w13, self.w2, weights, ids,
                                             workspace=self.ws, config=snippet[side])  # fmt: skip
                     ms.append(self.bench(run))
                 win = c - 1 if ms[0] < ms[1] else c

@@ -8,7 +8,6 @@ build anything: it only describes.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,13 +41,18 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Allow max_model_len past the model's max_position_embeddings (vLLM's
+    # VLLM_ALLOW_LONG_MAX_MODEL_LEN): RoPE caches are extended to cover it.
+    allow_long_max_model_len: bool = False
     num_kv_blocks: int | None = None  # overrides KV sizing
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0  # KV budget on CPU, where there is no allocator to profile
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int | None = 0  # the shared sampler's seed; None: a fresh random one (vLLM's)
-    attention_backend: str = "auto"  # "auto": triton on CUDA, torch on CPU
+    # The op set (kernels/opset.py): "torch" runs torch references only,
+    # "triton" the Triton kernels; "auto": triton on CUDA, torch on CPU.
+    attention_backend: str = "auto"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # Decode batch sizes to capture as CUDA graphs; None: 1, 2, 4, 8, then
     # every 8 up to max_num_seqs.
@@ -128,7 +132,8 @@ class EngineConfig:
         if self.graph_backend not in _GRAPH_BACKENDS:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
         for name in ("enable_prefix_caching", "enforce_eager", "print_startup_report",
-                     "profile_steps", "async_scheduling"):  # fmt: skip
+                     "profile_steps", "async_scheduling",
+                     "allow_long_max_model_len"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):  # "false" would be truthy
                 raise bad(name, "must be True or False")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
@@ -208,10 +213,11 @@ class EngineConfig:
         elif (
             limit is not None
             and self.max_model_len > int(limit)
-            and not os.environ.get("TINYENGINE_ALLOW_LONG_MAX_MODEL_LEN")
+            and not self.allow_long_max_model_len
         ):
             raise ValueError(
                 f"EngineConfig.max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={limit}"
+                f"max_position_embeddings={limit} (set allow_long_max_model_len=True to "
+                "run past it)"
             )
         return self.max_model_len

@@ -4,6 +4,11 @@ Owns the life of a request from its arrival to its final output: validation
 and tokenization on the way in; per step, scheduler -> runner -> scheduler
 update; then detokenization, stop checks and output building on the way out.
 One step reads top-down in `LLMEngine.step`.
+
+It is built from a startup machine run to READY (tinyengine/worker/startup.py):
+the runner comes from the machine's stages and the scheduler is made over the
+KV blocks they allocated, so an LLMEngine is never half-built. It never does a
+startup stage's work itself.
 """
 
 from __future__ import annotations
@@ -16,22 +21,17 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from tinyengine.config import EngineConfig
 from tinyengine.detokenizer import IncrementalDetokenizer, find_stop_string
 from tinyengine.kernels import jit_monitor
-from tinyengine.models.loader import load_hf_config
 from tinyengine.outputs import CompletionOutput, Logprob, RequestOutput
 from tinyengine.sampling_params import RequestOutputKind, SamplingParams
 from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request, RequestStatus
 from tinyengine.scheduling.scheduler import Scheduler
 from tinyengine.tokenizer import Tokenizer, load_tokenizer_if_present
-from tinyengine.warmup import run_warmup
-from tinyengine.worker.profiler import num_kv_blocks_for_budget, profile_run
-from tinyengine.worker.runner import ModelRunner
-from tinyengine.worker.startup import StartupMachine, StartupReport
+from tinyengine.worker.startup import StartupMachine
+from tinyengine.worker.step_profile import StepProfiler
 
 logger = logging.getLogger("tinyengine.engine")
 
@@ -64,17 +64,25 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, start: bool = True) -> None:
-        self.config = config
-        hf_config = load_hf_config(config.model, config.hf_overrides)
-        self.hf_config = hf_config
-        device = config.resolved_device()
-        config.resolve_limits(device)
-        config.resolve_block_size(hf_config, device)
-        dtype = config.resolved_dtype(hf_config, device)
-        config.resolve_max_model_len(hf_config)
-        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+    """Complete once constructed: its runner has passed every startup stage
+    (READY) and its scheduler owns exactly the KV blocks startup allocated.
+    Nothing in it is filled in later."""
 
+    def __init__(self, config: EngineConfig, startup: StartupMachine | None = None) -> None:
+        """`startup`: a machine from `StartupMachine.for_config(config)`, at
+        CREATED or READY. A server builds it first, so /health can read its
+        state while this constructor (on the engine thread) runs it to READY;
+        without one the engine builds its own. A failing stage raises here,
+        and the machine holds FAILED with the error."""
+        self.config = config
+        if startup is None:
+            startup = StartupMachine.for_config(config)
+        runner = startup.stages.runner
+        if runner.config is not config:
+            raise ValueError("the startup machine was built for another EngineConfig")
+        self.hf_config = runner.hf_config
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        # Before the stages run: a wrong tokenizer path fails before the weights load.
         if config.tokenizer is not None:  # asked for: it must be there (vLLM fails too)
             self.tokenizer: Tokenizer | None = load_tokenizer_if_present(config.tokenizer)
             if self.tokenizer is None:
@@ -86,77 +94,23 @@ class LLMEngine:
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids
             if self.tokenizer is not None
-            else _eos_token_ids_from_config(config.model, hf_config)
+            else _eos_token_ids_from_config(config.model, self.hf_config)
         )
-        self.runner = ModelRunner(config, hf_config, device, dtype)
-        self.scheduler: Scheduler | None = None  # built once the KV cache is sized
-        self.states: dict[str, _RequestState] = {}
-        self._ids = itertools.count()
-        self._jit_compiles_at_ready = 0
-        if device == "cuda" or self.runner.attention_ops.name == "triton":
-            jit_monitor.install()  # imports triton: only where Triton kernels can run
-        # Asynchronous scheduling: the launched step whose tokens the next
-        # step() call processes, as (plan, StepLaunch).
-        self._inflight: tuple[Any, Any] | None = None
-        self._profiler = None  # a StepProfiler when config.profile_steps
-        if config.profile_steps:
-            from tinyengine.worker.step_profile import StepProfiler
 
-            self._profiler = StepProfiler(self.runner.device)
-        self.runner.profiler = self._profiler
-        self.startup = StartupMachine(self)
-        if start:
-            self.start()
-
-    def start(self) -> StartupReport:
-        """Run the startup state machine to READY; raises (and the machine holds
-        FAILED with the error) if a stage fails. A server builds the engine
-        with start=False and calls this in the background, so /health can
-        report the stage while it runs."""
-        report = self.startup.run_all()
-        if self.config.print_startup_report:
-            print(report.table(), file=sys.stderr)
-        return report
-
-    # --- startup stages (the StartupMachine calls these, in its order) ---
-
-    def set_stage(self, name: str) -> None:
-        self.runner.workspace.stage = name
-
-    def workspace_bytes(self) -> int:
-        return self.runner.workspace.size
-
-    def workspace_growths(self) -> int:
-        return self.runner.workspace.stats.num_growths
-
-    def memory_in_use(self) -> int:
-        if self.runner.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.runner.device)
-        with open("/proc/self/statm") as f:  # resident pages
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    @property
-    def capture_skip_reason(self) -> str:
-        return self.runner.capture_skip_reason
-
-    def stage_load(self) -> None:
-        self.runner.load_model()
-
-    def stage_profile(self) -> int:
-        self._profile = profile_run(self.runner, self.runner.graph_sizes())
-        return self._profile.peak_bytes
-
-    def stage_size_kv(self, profiled_peak: int) -> int:
-        num_blocks = self.config.num_kv_blocks or num_kv_blocks_for_budget(
-            self.runner, self._profile
-        )
-        self.runner.allocate_kv_cache(num_blocks)
+        if not startup.ready:
+            startup.run_all()
+        if config.print_startup_report:
+            print(startup.report.table(), file=sys.stderr)
+        self.startup = startup
+        self.runner = runner
+        self._jit_compiles_at_ready = jit_monitor.num_compiles()
+        num_blocks = startup.report.num_kv_blocks
         self.scheduler = Scheduler(
-            BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching),
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        cache_tokens = num_blocks * self.config.block_size
+        cache_tokens = num_blocks * config.block_size
         if cache_tokens < self.max_model_len:
             # vLLM refuses to start here; we serve, with a smaller usable
             # context (add_request caps a default max_tokens to it).
@@ -165,19 +119,15 @@ class LLMEngine:
                 "use at most %d tokens (raise num_kv_blocks / gpu_memory_utilization, or lower "
                 "max_model_len)", cache_tokens, self.max_model_len, cache_tokens,
             )  # fmt: skip
-        return num_blocks
-
-    def stage_warmup(self) -> None:
-        run_warmup(self, self.runner.graph_sizes())
+        self.states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
-
-    def stage_capture(self) -> list[int] | None:
-        return self.runner.capture()
-
-    def stage_lock(self) -> None:
-        self.runner.workspace.lock()
-        self._jit_compiles_at_ready = jit_monitor.num_compiles()
-        self.reset_step_profile()  # warmup steps are not the workload
+        # Asynchronous scheduling: the launched step whose tokens the next
+        # step() call processes, as (plan, StepLaunch).
+        self._inflight: tuple[Any, Any] | None = None
+        # A StepProfiler when config.profile_steps; its forward hooks in the
+        # runner bracket each launch (None: not profiling, no cost).
+        self._profiler = StepProfiler(runner.device) if config.profile_steps else None
+        runner.profiler = self._profiler
 
     # --- requests in ---
 
@@ -468,13 +418,3 @@ def _eos_token_ids_from_config(model_path: str, hf_config: dict[str, Any]) -> se
         elif isinstance(eos, list):
             ids.update(int(t) for t in eos)
     return ids
-
-
-def __getattr__(name: str) -> Any:
-    # `from tinyengine.engine import LLM` kept working when LLM moved to llm.py
-    # (imported lazily: llm.py imports this module).
-    if name == "LLM":
-        from tinyengine.llm import LLM
-
-        return LLM
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,8 +38,8 @@ def test_unknown_options_are_named():
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek"])
-def test_max_model_len_past_the_model_positions(tmp_path, monkeypatch, arch):
-    """TINYENGINE_ALLOW_LONG_MAX_MODEL_LEN (vLLM's escape hatch): sequences
+def test_max_model_len_past_the_model_positions(tmp_path, arch):
+    """allow_long_max_model_len (vLLM's escape hatch): sequences
     may run past max_position_embeddings; the rope caches are extended to
     max_model_len (HF computes RoPE at any position), so tokens there still
     equal HF's instead of indexing past the cache."""
@@ -54,8 +54,8 @@ def test_max_model_len_past_the_model_positions(tmp_path, monkeypatch, arch):
     prompt = list(range(3, 31))  # 28 tokens; 12 more run to position 39 > 32
     with pytest.raises(ValueError, match="max_position_embeddings=32"):
         LLM(str(path), max_model_len=48, print_startup_report=False)
-    monkeypatch.setenv("TINYENGINE_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    llm = LLM(str(path), max_model_len=48, print_startup_report=False)
+    llm = LLM(str(path), max_model_len=48, allow_long_max_model_len=True,
+              print_startup_report=False)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     ref, _ = hf_greedy(path, [prompt], 12)

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyengine.kernels import get_attention_ops
-from tinyengine.kernels.attention import paged_attention, write_kv_cache
+from tinyengine.kernels import choose_ops
+from tinyengine.kernels.attention.reference import paged_attention, write_kv_cache
 
 
 @dataclass
@@ -213,16 +213,16 @@ def test_write_kv_cache_skips_negative_slots() -> None:
     assert k_cache.abs().sum() == k[0].abs().sum() + k[2].abs().sum()
 
 
-def test_get_attention_ops() -> None:
-    ops = get_attention_ops("torch")
+def test_choose_ops_attention() -> None:
+    ops = choose_ops("torch", "cpu")
     assert ops.paged_attention is paged_attention and ops.write_kv_cache is write_kv_cache
-    from tinyengine.kernels import triton_attention
+    import tinyengine.kernels.attention.triton as triton_attention
 
-    triton_ops = get_attention_ops("triton")
+    triton_ops = choose_ops("triton", "cpu")
     assert triton_ops.paged_attention is triton_attention.paged_attention
     assert triton_ops.write_kv_cache is triton_attention.write_kv_cache
     with pytest.raises(ValueError, match="unknown attention backend"):
-        get_attention_ops("flash")
+        choose_ops("flash", "cpu")
 
 
 @st.composite

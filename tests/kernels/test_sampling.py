@@ -1,4 +1,4 @@
-"""Fused sampling (kernels/sampling.py): the Triton Gumbel-argmax kernel vs its
+"""Fused sampling (kernels/sampling/): the Triton Gumbel-argmax kernel vs its
 torch reference on the same random numbers, the rules it keeps (ties, -inf,
 greedy rows), the distribution it draws from; and the Sampler's fused path
 (forced on CPU, where Triton runs under the interpreter; the default on CUDA).
@@ -18,14 +18,17 @@ import warnings
 import pytest
 import torch
 
-from tinyengine.kernels import sampling
-from tinyengine.kernels.sampling import (
+import tinyengine.kernels.sampling.triton as sampling
+from tinyengine.kernels.sampling.reference import (
     gumbel_argmax_torch,
-    gumbel_argmax_triton,
     gumbel_noise_torch,
-    gumbel_noise_triton,
     gumbel_uniforms_torch,
+)
+from tinyengine.kernels.sampling.triton import (
+    gumbel_argmax_triton,
+    gumbel_noise_triton,
     gumbel_uniforms_triton,
+    launch_gumbel_argmax,
 )
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.worker.sampler import Sampler
@@ -46,7 +49,8 @@ def seeds_like(rows: int, seed: int = 0) -> torch.Tensor:
 def run(logits, inv_t, seeds, **kw) -> torch.Tensor:
     """The kernel on DEVICE, result on the host."""
     inv_t = torch.as_tensor(inv_t, dtype=torch.float32)
-    out = gumbel_argmax_triton(logits.to(DEVICE), inv_t.to(DEVICE), seeds.to(DEVICE), **kw)
+    draw = launch_gumbel_argmax if kw else gumbel_argmax_triton  # kw: a forced launch shape
+    out = draw(logits.to(DEVICE), inv_t.to(DEVICE), seeds.to(DEVICE), **kw)
     assert out.dtype == torch.int64 and out.shape == (logits.shape[0],)
     return out.cpu()
 
@@ -216,7 +220,7 @@ def test_reference_draws_follow_softmax(temperature: float) -> None:
 
 
 def fused_sampler(seed: int = 0) -> Sampler:
-    return Sampler(DEVICE, seed=seed, fused=True)
+    return Sampler(DEVICE, seed=seed, draw=sampling.gumbel_argmax_triton)
 
 
 def test_sampler_fused_greedy_equals_torch_path() -> None:
@@ -234,7 +238,7 @@ def test_sampler_fused_greedy_equals_torch_path() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype).to(DEVICE)
         out = fused_sampler()(x, params, gens, banned)
-        assert out == Sampler(DEVICE, fused=False)(x.float(), params, gens, banned)
+        assert out == Sampler(DEVICE)(x.float(), params, gens, banned)
     assert out.token_ids[0] != int(logits[0].argmax())  # the ban was honoured
 
 
@@ -375,7 +379,7 @@ def test_gpu_bf16_decode_batch() -> None:
         greedy = inv_t == 0
         assert torch.equal(tokens[greedy], logits[greedy].float().argmax(dim=-1))
         for splits in (1, 5):
-            split_tokens = gumbel_argmax_triton(logits, inv_t, seeds, num_splits=splits)
+            split_tokens = launch_gumbel_argmax(logits, inv_t, seeds, num_splits=splits)
             assert torch.equal(split_tokens, tokens), splits
     assert torch.cat(exact).float().mean() > 0.99
 
@@ -399,7 +403,7 @@ def test_gpu_graph_capture_and_replay_of_fast_path() -> None:
     fresh seeds (the generator advances), reads the new logits, and picks the
     same tokens as the reference on those seeds."""
     rows, vocab = 64, 32_000
-    sampler = Sampler("cuda", seed=0, fused=True)
+    sampler = Sampler("cuda", seed=0, draw=gumbel_argmax_triton)
     greedy = [i % 4 == 0 for i in range(rows)]
     gens = [None] * rows
     logits = torch.zeros(rows, vocab, device="cuda", dtype=torch.bfloat16)
@@ -434,7 +438,7 @@ def test_gpu_fast_path_no_host_sync() -> None:
     """The fast path (no row filters; bans, logprobs, seeded rows) launches
     without a device->host sync, like the filter path (tests/worker)."""
     vocab, rows = 32_000, 48
-    sampler = Sampler("cuda", fused=True)
+    sampler = Sampler("cuda", draw=gumbel_argmax_triton)
     logits = (torch.randn(rows, vocab, device="cuda") * 3).bfloat16()
     kinds = [
         SamplingParams(temperature=0.0, logprobs=2),

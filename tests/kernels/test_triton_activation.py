@@ -1,11 +1,12 @@
-"""Triton SiLU-and-mul vs the torch reference in kernels/activation.py."""
+"""Triton SiLU-and-mul vs the torch reference in kernels/activation/."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tinyengine.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from tinyengine.kernels.activation.reference import silu_and_mul_torch
+from tinyengine.kernels.activation.triton import silu_and_mul_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ULP = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}

@@ -1,5 +1,5 @@
 """Triton paged attention vs a naive dense reference written here (and vs
-kernels/attention.py, the torch reference op, when it exists).
+kernels/attention/reference.py, the torch reference op, when it exists).
 
 CPU runs go through the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), which costs ~2 ms per program instance: shapes stay tiny
@@ -10,7 +10,6 @@ any read outside a sequence's context shows up as NaN in the output.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -18,10 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyengine.kernels import triton_attention as ta
+import tinyengine.kernels.attention.triton as ta
 from tinyengine.kernels.workspace import Workspace
 
-HAS_TORCH_REF = importlib.util.find_spec("kernels.attention") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
     torch.float32: 1e-4 if DEVICE == "cuda" else 2e-5,  # GPU: 3xTF32 dots (dot_precision)
@@ -118,9 +116,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 
 
 def check_against_torch_reference(batch: Batch, out: torch.Tensor) -> None:
-    if not HAS_TORCH_REF:
-        return
-    from tinyengine.kernels import attention
+    import tinyengine.kernels.attention.reference as attention
 
     ref = attention.paged_attention(
         *batch.args(), max_query_len=max(batch.q_lens), max_seq_len=max(batch.seq_lens),
@@ -286,7 +282,9 @@ def test_decode_num_splits_heuristic() -> None:
 
 
 def test_op_set_shape() -> None:
-    ops = ta.TritonAttentionOps
+    from tinyengine.kernels import triton_ops
+
+    ops = triton_ops("cpu")
     assert ops.name == "triton"
     assert ops.paged_attention is ta.paged_attention
     assert ops.write_kv_cache is ta.write_kv_cache
@@ -418,7 +416,7 @@ def test_int32_offsets_only_when_the_strided_view_fits():
     """K and V share the rows of one allocation (kv_cache.py), so a K view of
     N elements reaches offsets up to ~2N: the int32 address path must be
     chosen from the largest reachable offset, not from numel()."""
-    from tinyengine.kernels.triton_attention import _offsets_fit_32
+    from tinyengine.kernels.attention.triton import _offsets_fit_32
 
     def caches(num_blocks: int):
         storage = torch.empty(

@@ -4,16 +4,13 @@ strided k/v views, Dk != Dv, dtype conversion into the cache."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyengine.kernels.cache_write import write_kv_cache_triton
+from tinyengine.kernels.attention.cache_write import write_kv_cache_triton
 
-HAS_TORCH_REF = importlib.util.find_spec("kernels.attention") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -48,12 +45,11 @@ def test_write_matches_naive(dtype: torch.dtype) -> None:
     naive_write(k, v, kc_ref, vc_ref, slots)
     write_kv_cache_triton(k, v, kc, vc, slots)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # a copy is exact
-    if HAS_TORCH_REF:
-        from tinyengine.kernels.attention import write_kv_cache
+    from tinyengine.kernels.attention.reference import write_kv_cache
 
-        kc2, vc2 = kc_ref.clone(), vc_ref.clone()
-        write_kv_cache(k, v, kc2, vc2, slots)
-        assert torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref)
+    kc2, vc2 = kc_ref.clone(), vc_ref.clone()
+    write_kv_cache(k, v, kc2, vc2, slots)
+    assert torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref)
 
 
 def test_write_converts_to_cache_dtype() -> None:

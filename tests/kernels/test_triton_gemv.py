@@ -1,4 +1,4 @@
-"""Triton skinny GEMM (kernels/gemv.py) vs fp32 math, and the dispatch
+"""Triton skinny GEMM (kernels/gemv/triton.py) vs fp32 math, and the dispatch
 predicate that decides when the model layers use it."""
 
 from __future__ import annotations
@@ -7,8 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tinyengine.kernels.gemv as gemv
-from tinyengine.kernels.gemv import GemvConfig, pick_config, skinny_linear, skinny_linear_torch
+import tinyengine.kernels.gemv.tiles as gemv_tiles
+import tinyengine.kernels.gemv.triton as gemv
+from tinyengine.kernels import torch_ops, triton_ops
+from tinyengine.kernels.gemv.reference import skinny_linear_torch
+from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
+from tinyengine.kernels.gemv.triton import skinny_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}
@@ -107,8 +111,10 @@ def test_pick_config_host_only() -> None:
             assert cfg.block_n >= (16 if cfg.use_dot else 1)
             if m > 1:
                 assert cfg.use_dot  # the FMA loop serves M == 1 only
-            if cfg.block_n > (gemv.MIN_BLOCK_N_DOT if cfg.use_dot else gemv.MIN_BLOCK_N_FMA):
-                assert -(-n // cfg.block_n) >= gemv.MIN_PROGRAMS_PER_SM * 132
+            if cfg.block_n > (
+                gemv_tiles.MIN_BLOCK_N_DOT if cfg.use_dot else gemv_tiles.MIN_BLOCK_N_FMA
+            ):
+                assert -(-n // cfg.block_n) >= gemv_tiles.MIN_PROGRAMS_PER_SM * 132
 
 
 # --- dispatch ------------------------------------------------------------------
@@ -150,9 +156,18 @@ def test_dispatch_falls_back_on_cpu() -> None:
     assert torch.equal(gemv.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_dispatch_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemv, "ENABLED", False)
-    assert not gemv.skinny_linear_ok(*_args())
+def test_op_set_is_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch op set's linear is F.linear even where the kernel's predicate
+    holds; the Triton set on CUDA dispatches through gemv.linear."""
+
+    def boom(*a, **kw):
+        raise AssertionError("the torch op set must not launch the kernel")
+
+    monkeypatch.setattr(gemv, "skinny_linear", boom)
+    monkeypatch.setattr(gemv, "skinny_linear_ok", lambda x, w, b=None: True)
+    x, w, b = _args(bias=True)
+    assert torch.equal(torch_ops().linear(x, w, b), F.linear(x, w, b))
+    assert triton_ops("cuda").linear is gemv.linear
 
 
 def test_dispatch_uses_kernel_when_predicate_holds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,6 +192,7 @@ def test_dispatch_uses_kernel_when_predicate_holds(monkeypatch: pytest.MonkeyPat
 
 
 def test_layers_use_f_linear_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both op sets a CPU engine can pick run linear layers as F.linear."""
     from tinyengine.models.layers import ParallelLMHead, QKVParallelLinear
 
     def boom(*a, **kw):
@@ -187,10 +203,11 @@ def test_layers_use_f_linear_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.nn.init.normal_(qkv.weight)
     torch.nn.init.normal_(qkv.bias)
     x = torch.randn(2, 64)
-    assert torch.equal(qkv(x), F.linear(x, qkv.weight, qkv.bias))
     head = ParallelLMHead(100, 64)
     torch.nn.init.normal_(head.weight)
-    assert torch.equal(head(x), F.linear(x, head.weight))
+    for ops in (torch_ops(), triton_ops("cpu")):
+        assert torch.equal(qkv(x, ops), F.linear(x, qkv.weight, qkv.bias))
+        assert torch.equal(head(x, ops), F.linear(x, head.weight))
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Fused gate_up GEMV + SiLU-and-mul (kernels/gemv_silu.py, M == 1) vs its torch
+"""Fused gate_up GEMV + SiLU-and-mul (kernels/gemv/silu.py, M == 1) vs its torch
 reference and vs the unfused path (skinny_linear, then the activation), and the
 `linear_silu_mul` dispatcher the MLP calls. On CPU the kernel runs under the
 Triton interpreter (tests/conftest.py), so the CPU shapes stay small."""
@@ -9,15 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tinyengine.kernels.gemv as gemv
-import tinyengine.kernels.gemv_silu as gemv_silu
-from tinyengine.kernels.activation import silu_and_mul_triton
-from tinyengine.kernels.gemv import GemvConfig, skinny_linear
-from tinyengine.kernels.gemv_silu import (
-    linear_silu_mul,
-    skinny_linear_silu_mul,
-    skinny_linear_silu_mul_torch,
-)
+import tinyengine.kernels.gemv.silu as gemv_silu
+import tinyengine.kernels.gemv.triton as gemv
+from tinyengine.kernels import torch_ops
+from tinyengine.kernels.activation.triton import silu_and_mul_triton
+from tinyengine.kernels.gemv.reference import skinny_linear_silu_mul_torch
+from tinyengine.kernels.gemv.silu import linear_silu_mul, skinny_linear_silu_mul
+from tinyengine.kernels.gemv.triton import GemvConfig, skinny_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -196,12 +194,19 @@ def test_dispatch_uses_fused_kernel_for_one_row(monkeypatch: pytest.MonkeyPatch)
     assert torch.equal(out2, F.silu(gate) * up)  # SiluAndMul's torch path (CPU)
 
 
-def test_dispatch_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemv, "ENABLED", False)
+def test_torch_op_set_never_reaches_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op set is the switch: the torch set's linear_silu_mul is F.linear
+    then the torch activation even where the kernel's predicate holds."""
+
+    def boom(*a, **kw):
+        raise AssertionError("the torch op set must not launch the kernel")
+
+    monkeypatch.setattr(gemv_silu, "skinny_linear_silu_mul", boom)
+    monkeypatch.setattr(gemv, "skinny_linear", boom)
+    monkeypatch.setattr(gemv, "skinny_linear_ok", lambda x, w, b=None: True)
     x, w, b = _problem(8, 32, torch.bfloat16, False, device="cpu")
-    assert not gemv.skinny_linear_ok(x, w, b)
     gate, up = F.linear(x, w).chunk(2, dim=-1)
-    assert torch.equal(linear_silu_mul(x, w), F.silu(gate) * up)
+    assert torch.equal(torch_ops().linear_silu_mul(x, w), F.silu(gate) * up)
 
 
 # --- GPU (bf16, realistic shapes) ----------------------------------------------
@@ -227,7 +232,7 @@ def test_gpu_fused_matches_unfused(inter: int, k: int, bias: bool) -> None:
 @pytest.mark.parametrize("inter,k", GPU_SHAPES)
 def test_gpu_fused_bit_exact(inter: int, k: int) -> None:
     """Same tile and K loop as the plain launch, so the same fp32 sums: equal
-    bits (held on the H200, 2026-12-03, all shapes)."""
+    bits (on the H200, all shapes)."""
     x, w, b = _problem(inter, k, torch.bfloat16, True)
     unfused = silu_and_mul_triton(skinny_linear(x, w, b))
     assert torch.equal(skinny_linear_silu_mul(x, w, b), unfused)

@@ -1,5 +1,5 @@
-"""Triton MLA decode (kernels/triton_mla.py) vs the torch reference
-(kernels/mla.py) and a float64 per-sequence reference written here.
+"""Triton MLA decode (kernels/mla/triton.py) vs the torch reference
+(kernels/mla/reference.py) and a float64 per-sequence reference written here.
 
 CPU runs go through the Triton interpreter (~2 ms per program instance), so
 shapes stay tiny: L=32, R=16, 16-row cache blocks, contexts up to ~70 tokens,
@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-from tinyengine.kernels import mla as mla_ref
-from tinyengine.kernels import triton_mla
+import tinyengine.kernels.mla.reference as mla_ref
+import tinyengine.kernels.mla.triton as triton_mla
 from tinyengine.kernels.workspace import Workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,7 +76,7 @@ class LatentBatch:
                 self.scale)  # fmt: skip
 
     def run(self, **overrides) -> torch.Tensor:
-        return triton_mla.mla_decode(*self.args(), max_seq_len=self.max_seq_len, **overrides)
+        return triton_mla.launch_mla_decode(*self.args(), max_seq_len=self.max_seq_len, **overrides)
 
     def dense_reference(self) -> torch.Tensor:
         """fp64 softmax attention per sequence; an empty context gives 0."""
@@ -295,7 +295,7 @@ def test_gpu_deepseek_v3_dims(heads: int) -> None:
     out = triton_mla.mla_decode(*args, max_seq_len=4096, workspace=Workspace("cuda"))
     assert rel_err(out, ref) < 2e-2
     for splits in (1, 7, 64):
-        out = triton_mla.mla_decode(*args, max_seq_len=4096, num_splits=splits)
+        out = triton_mla.launch_mla_decode(*args, max_seq_len=4096, num_splits=splits)
         assert rel_err(out, ref) < 2e-2
 
 
@@ -322,7 +322,7 @@ def test_gpu_tile_configs(block_h: int, block_n: int, warps: int, stages: int, t
     args = _deepseek_batch(8, 128, 1024, torch.bfloat16)
     ref = mla_ref.mla_decode(*args, max_seq_len=1024)
     for splits, lazy in ((1, False), (4, True), (3, False)):
-        out = triton_mla.mla_decode(
+        out = triton_mla.launch_mla_decode(
             *args, max_seq_len=1024, num_splits=splits, block_h=block_h, block_n=block_n,
             num_warps=warps, num_stages=stages, paged_tma=tma, lazy_rescale=lazy,
         )  # fmt: skip
@@ -380,11 +380,11 @@ def test_engine_caches_take_the_tma_path() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [64, 128])
 def test_gpu_gluon_split_kernel(heads: int, dtype: torch.dtype) -> None:
-    # The Hopper Gluon kernel (kernels/mla_gluon.py) at the one shape it
+    # The Hopper Gluon kernel (kernels/mla/gluon.py) at the one shape it
     # serves, on a NaN-poisoned cache: empty rows, one row, a page +- 1, a
     # partial last tile after several whole ones; direct and split; against
     # the fp64 reference and against the Triton kernel.
-    from tinyengine.kernels import mla_gluon
+    import tinyengine.kernels.mla.gluon as mla_gluon
 
     b = LatentBatch([0, 1, 63, 64, 65, 130, 300], heads=heads, latent=512, rope=64,
                     block_size=64, dtype=dtype, seed=11)  # fmt: skip

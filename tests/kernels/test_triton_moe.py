@@ -1,4 +1,4 @@
-"""Triton fused MoE (kernels/triton_moe.py) vs the torch reference (kernels/moe.py).
+"""Triton fused MoE (kernels/moe/triton.py) vs the torch reference (kernels/moe/reference.py).
 
 CPU runs go through the Triton interpreter (~2 ms per program instance), so
 shapes stay tiny (T <= 48 mostly, D = 48/64, I = 24/32, E = 4-16, K = 2-4).
@@ -16,8 +16,8 @@ import itertools
 import pytest
 import torch
 
-from tinyengine.kernels import moe as moe_ref
-from tinyengine.kernels import triton_moe
+import tinyengine.kernels.moe.reference as moe_ref
+import tinyengine.kernels.moe.triton as triton_moe
 from tinyengine.kernels.workspace import Workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,7 +61,7 @@ def test_each_class_matches_reference(num_tokens: int, hidden: int, inter: int,
     # T=1: one row in each of K blocks. D=48 / I=24: K tails (masked) and N
     # tails (wrapped) in both GEMMs; E=6: a non-power-of-two expert count.
     args = make(num_tokens, hidden, inter, experts, top_k, dtype)
-    out = triton_moe.fused_moe(*args, config=triton_moe.CLASS_CONFIGS[cls])
+    out = triton_moe.launch_fused_moe(*args, config=triton_moe.CLASS_CONFIGS[cls])
     assert out.shape == args[0].shape and out.dtype == dtype
     assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[dtype]
 
@@ -75,7 +75,7 @@ def test_skewed_routing_empty_experts_and_multi_block_segments(cls: int) -> None
                         [1, 3, 1], [1, 1, 1]] * 2)  # fmt: skip
     assert (ids == 1).sum() == 36
     args = make(16, 64, 32, 8, 3, torch.float32, ids=ids)
-    out = triton_moe.fused_moe(*args, config=triton_moe.CLASS_CONFIGS[cls])
+    out = triton_moe.launch_fused_moe(*args, config=triton_moe.CLASS_CONFIGS[cls])
     assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[torch.float32]
 
 
@@ -87,7 +87,7 @@ def test_one_expert_receives_everything(cls: int) -> None:
     ids = torch.stack([torch.tensor([5, int(torch.randint(6, 16, (1,), generator=g))])
                        for _ in range(40)])  # fmt: skip
     args = make(40, 64, 32, 16, 2, torch.float32, seed=2, ids=ids)
-    out = triton_moe.fused_moe(*args, config=triton_moe.CLASS_CONFIGS[cls])
+    out = triton_moe.launch_fused_moe(*args, config=triton_moe.CLASS_CONFIGS[cls])
     assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[torch.float32]
 
 
@@ -119,10 +119,10 @@ def test_program_order_covers_every_tile_once(group_m: int) -> None:
     tiles = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
     ws = Workspace(DEVICE)
     cfg0 = {g: dict(tiles, group_m=0) for g in triton_moe.GEMMS}
-    plain = triton_moe.fused_moe(*args, workspace=ws, config=cfg0)
+    plain = triton_moe.launch_fused_moe(*args, workspace=ws, config=cfg0)
     ws.buffer.fill_(0xFF)
     cfg = {g: dict(tiles, group_m=group_m) for g in triton_moe.GEMMS}
-    out = triton_moe.fused_moe(*args, workspace=ws, config=cfg)
+    out = triton_moe.launch_fused_moe(*args, workspace=ws, config=cfg)
     assert torch.equal(out, plain)
     assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[torch.float32]
 
@@ -132,9 +132,9 @@ def test_scratch_garbage_never_reaches_the_output() -> None:
     # scratch row that was not written in this call. NaN-filled scratch proves it.
     args = make(9, 48, 24, 6, 3, torch.bfloat16, seed=9)
     ws = Workspace(DEVICE)
-    first = triton_moe.fused_moe(*args, workspace=ws, config=triton_moe.CLASS_CONFIGS[2])
+    first = triton_moe.launch_fused_moe(*args, workspace=ws, config=triton_moe.CLASS_CONFIGS[2])
     ws.buffer.fill_(0xFF)
-    again = triton_moe.fused_moe(*args, workspace=ws, config=triton_moe.CLASS_CONFIGS[2])
+    again = triton_moe.launch_fused_moe(*args, workspace=ws, config=triton_moe.CLASS_CONFIGS[2])
     assert torch.equal(first, again)
 
 
@@ -169,10 +169,10 @@ def test_tma_modes_match_reference(case: str, mode: int, dtype: torch.dtype) -> 
     t, d, i, e, k, ids = TMA_CASES[case]
     args = make(t, d, i, e, k, dtype, seed=11, ids=ids)
     cfg = _tma_config(mode)
-    out = triton_moe.fused_moe(*args, workspace=Workspace(DEVICE), config=cfg)
+    out = triton_moe.launch_fused_moe(*args, workspace=Workspace(DEVICE), config=cfg)
     assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[dtype]
     # Same tiles through pointers: the same products in the same order.
-    plain = triton_moe.fused_moe(*args, config=_tma_config(triton_moe.TMA_OFF))
+    plain = triton_moe.launch_fused_moe(*args, config=_tma_config(triton_moe.TMA_OFF))
     if DEVICE == "cpu":
         assert torch.equal(out, plain)
     # The descriptors were really used (no silent fallback at these dims).
@@ -194,9 +194,9 @@ def test_tma_sorted_copy_and_scratch_garbage() -> None:
     args = make(t, d, i, e, k, torch.bfloat16, seed=12, ids=ids)
     ws = Workspace(DEVICE)
     cfg = _tma_config(triton_moe.TMA_AW)
-    first = triton_moe.fused_moe(*args, workspace=ws, config=cfg)
+    first = triton_moe.launch_fused_moe(*args, workspace=ws, config=cfg)
     ws.buffer.fill_(0xFF)
-    again = triton_moe.fused_moe(*args, workspace=ws, config=cfg)
+    again = triton_moe.launch_fused_moe(*args, workspace=ws, config=cfg)
     assert torch.equal(first, again)
     x, w13, w2, _, topk_ids = args
     s = triton_moe._scratch(x, w13, w2, topk_ids, None, sorted_x=True)
@@ -211,7 +211,7 @@ def test_tma_falls_back_where_alignment_rules_it_out() -> None:
     t, d, i, e, k = 9, 64, 20, 4, 2
     args = make(t, d, i, e, k, torch.bfloat16, seed=13)
     cfg = _tma_config(triton_moe.TMA_AW)
-    out = triton_moe.fused_moe(*args, config=cfg)
+    out = triton_moe.launch_fused_moe(*args, config=cfg)
     assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[torch.bfloat16]
     x, w13, w2, _, topk_ids = args
     s = triton_moe._scratch(x, w13, w2, topk_ids, None, sorted_x=True)
@@ -241,7 +241,7 @@ def test_tails_cover_every_segment_shape(dtype: torch.dtype) -> None:
     args = make(sum(counts), 32, 16, len(counts), 1, dtype, seed=14, ids=_ids_with_counts(counts))
     cfg = _tail_config(16, 16)
     ws = Workspace(DEVICE)
-    out = triton_moe.fused_moe(*args, workspace=ws, config=cfg)
+    out = triton_moe.launch_fused_moe(*args, workspace=ws, config=cfg)
     assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[dtype]
     # Tails really ran, and garbage in the scratch never reaches the output.
     x, w13, w2, _, topk_ids = args
@@ -249,8 +249,8 @@ def test_tails_cover_every_segment_shape(dtype: torch.dtype) -> None:
     assert triton_moe._gate_up_launch(x, w13, s, 1, cfg["gate_up"])[-1][3]["TAIL_M"] == 16
     assert triton_moe._down_launch(w2, s, cfg["down"])[-1][3]["TAIL_M"] == 16
     ws.buffer.fill_(0xFF)
-    assert torch.equal(triton_moe.fused_moe(*args, workspace=ws, config=cfg), out)
-    no_tail = triton_moe.fused_moe(*args, config=_tail_config(16, 0))
+    assert torch.equal(triton_moe.launch_fused_moe(*args, workspace=ws, config=cfg), out)
+    no_tail = triton_moe.launch_fused_moe(*args, config=_tail_config(16, 0))
     assert rel_err(out, no_tail) < TOL[dtype]
 
 
@@ -259,7 +259,7 @@ def test_tails_need_tma_and_a_valid_size() -> None:
     # pointers and its tail is off; gate_up (D=64) keeps TMA and its tail.
     args = make(40, 64, 20, 2, 1, torch.bfloat16, seed=15, ids=_ids_with_counts([27, 13]))
     cfg = _tail_config(16, 16)
-    out = triton_moe.fused_moe(*args, config=cfg)
+    out = triton_moe.launch_fused_moe(*args, config=cfg)
     assert rel_err(out, moe_ref.fused_moe(*args)) < TOL[torch.bfloat16]
     x, w13, w2, _, topk_ids = args
     s = triton_moe._scratch(x, w13, w2, topk_ids, None, sorted_x=True)
@@ -267,7 +267,7 @@ def test_tails_need_tma_and_a_valid_size() -> None:
     assert triton_moe._down_launch(w2, s, cfg["down"])[-1][3]["TAIL_M"] == 0
     for bad in (24, 8, 32):  # not a power of two; below 16; above block_m
         with pytest.raises(ValueError, match="tail_m"):
-            triton_moe.fused_moe(*args, config={"down": {"block_m": 16, "tail_m": bad}})
+            triton_moe.launch_fused_moe(*args, config={"down": {"block_m": 16, "tail_m": bad}})
 
 
 # ----------------------------------------------------------------------------- host side
@@ -308,16 +308,16 @@ def test_moe_config_cuts_tiles_to_small_matrices() -> None:
 def test_config_override_merges_and_validates() -> None:
     args = make(6, 32, 16, 4, 2, torch.float32, seed=1)
     ref = moe_ref.fused_moe(*args)
-    out = triton_moe.fused_moe(*args, config={"down": {"block_n": 16}})  # partial: one field
+    out = triton_moe.launch_fused_moe(*args, config={"down": {"block_n": 16}})  # partial: one field
     assert rel_err(out, ref) < TOL[torch.float32]
     with pytest.raises(ValueError, match="unknown GEMM"):
-        triton_moe.fused_moe(*args, config={"up": {}})
+        triton_moe.launch_fused_moe(*args, config={"up": {}})
     with pytest.raises(ValueError, match="unknown fields"):
-        triton_moe.fused_moe(*args, config={"down": {"blockn": 16}})
+        triton_moe.launch_fused_moe(*args, config={"down": {"blockn": 16}})
     with pytest.raises(ValueError, match="power of two"):
-        triton_moe.fused_moe(*args, config={"gate_up": {"block_m": 24}})
+        triton_moe.launch_fused_moe(*args, config={"gate_up": {"block_m": 24}})
     with pytest.raises(ValueError, match="tma"):
-        triton_moe.fused_moe(*args, config={"down": {"tma": 3}})
+        triton_moe.launch_fused_moe(*args, config={"down": {"tma": 3}})
 
 
 def test_block_bound_covers_any_routing() -> None:
@@ -343,11 +343,11 @@ def test_workspace_path_matches_allocating_path() -> None:
     args = make(6, 32, 32, 4, 2, torch.float32, seed=3)
     cfg = {g: {"block_n": 32, "block_k": 32} for g in triton_moe.GEMMS}
     ws = Workspace(DEVICE)
-    out_ws = triton_moe.fused_moe(*args, workspace=ws, config=cfg)
+    out_ws = triton_moe.launch_fused_moe(*args, workspace=ws, config=cfg)
     assert ws.stats.num_growths == 1
     ws.lock()  # a second call of the same shape must fit without growing
-    again = triton_moe.fused_moe(*args, workspace=ws, config=cfg)
-    out_none = triton_moe.fused_moe(*args, config=cfg)
+    again = triton_moe.launch_fused_moe(*args, workspace=ws, config=cfg)
+    out_none = triton_moe.launch_fused_moe(*args, config=cfg)
     assert torch.equal(out_ws, out_none) and torch.equal(again, out_ws)
     assert rel_err(out_ws, moe_ref.fused_moe(*args)) < TOL[torch.float32]
 
@@ -436,7 +436,7 @@ def test_gpu_tma_modes_deepseek_v3_dims(mode: int) -> None:
     w2 = (torch.randn(e, d, i, device="cuda", generator=g) * i**-0.5).bfloat16()
     weights, ids = torch.topk(torch.rand(t, e, device="cuda", generator=g), k, dim=-1)
     ref = moe_ref.fused_moe(x, w13, w2, weights, ids)
-    out = triton_moe.fused_moe(x, w13, w2, weights, ids, workspace=Workspace("cuda"),
+    out = triton_moe.launch_fused_moe(x, w13, w2, weights, ids, workspace=Workspace("cuda"),
                                config=_tma_config(mode))  # fmt: skip
     assert rel_err(out, ref) < 2e-2
 
@@ -444,7 +444,7 @@ def test_gpu_tma_modes_deepseek_v3_dims(mode: int) -> None:
 def _captured(x, w13, w2, weights, ids, ws: Workspace, cfg: dict) -> tuple:
     """(graph, its output): fused_moe run once eagerly (compiles), the
     workspace locked, then captured; replays read the tensors' new contents."""
-    step = lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, workspace=ws, config=cfg)  # noqa: E731
+    step = lambda: triton_moe.launch_fused_moe(x, w13, w2, weights, ids, workspace=ws, config=cfg)  # noqa: E731
     step()
     torch.cuda.synchronize()
     ws.lock()

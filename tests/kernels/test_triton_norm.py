@@ -1,12 +1,13 @@
 """Triton RMSNorm (plain and fused with the residual add) vs the torch
-reference in kernels/norm.py, and that reference vs Hugging Face's formula."""
+reference in kernels/norm/, and that reference vs Hugging Face's formula."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tinyengine.kernels.norm import rms_norm_torch, rms_norm_triton
+from tinyengine.kernels.norm.reference import rms_norm_torch
+from tinyengine.kernels.norm.triton import rms_norm_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 -> bf16/fp16 casts truncate under the interpreter (torch rounds): a

@@ -1,5 +1,5 @@
-"""The fused q/k norm + RoPE + KV-cache write (kernels/triton_rope_cache.py)
-against its torch reference (kernels/rope_cache.py), and the reference against
+"""The fused q/k norm + RoPE + KV-cache write (kernels/rope/triton.py)
+against its torch reference (kernels/rope/reference.py), and the reference against
 the unfused pieces it replaces: HF's rotary (transformers' apply_rotary_pos_emb
 in the activation dtype), kernels.norm's RMSNorm and the plain cache write."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyengine.kernels.attention import write_kv_cache
-from tinyengine.kernels.norm import rms_norm_torch
-from tinyengine.kernels.rope_cache import rope_write_kv_torch
-from tinyengine.kernels.triton_rope_cache import rope_write_kv_triton
+from tinyengine.kernels.attention.reference import write_kv_cache
+from tinyengine.kernels.norm.reference import rms_norm_torch
+from tinyengine.kernels.rope.reference import rope_write_kv_torch
+from tinyengine.kernels.rope.triton import rope_write_kv_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""Triton rotary embedding vs the torch reference in kernels/rotary.py, both
+"""Triton rotary embedding vs the torch reference in kernels/rope/rotary.py, both
 layouts, partial rotary, strided views; and the reference vs the textbook
 complex-number rotation."""
 
@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyengine.kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
+from tinyengine.kernels.rope.rotary import (
+    apply_rotary_torch,
+    apply_rotary_triton,
+    build_cos_sin_cache,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ULP = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}

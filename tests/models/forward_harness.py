@@ -3,7 +3,7 @@ hands out blocks, builds the AttentionMetadata / ForwardContext of a step
 by hand, and returns per-row logits.
 
 It exists so model tests do not depend on tinyengine/worker, and it must stay
-boring: one flat batch per step, the torch reference ops, blocks handed out
+boring: one flat batch per step, the torch reference op set by default, blocks handed out
 in scrambled order (so a model that ignored the block table would fail).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinyengine.kernels import get_attention_ops
+from tinyengine.kernels import OpSet, torch_ops
 from tinyengine.models.context import AttentionMetadata, ForwardContext
 from tinyengine.models.loader import load_hf_config, load_model
 
@@ -32,9 +32,16 @@ def load_tiny(
 
 class PagedHarness:
     def __init__(
-        self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 32, seed: int = 0
+        self,
+        model: nn.Module,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 32,
+        seed: int = 0,
+        ops: OpSet | None = None,
     ) -> None:
         self.model = model
+        self.ops = ops or torch_ops()
         self.block_size = block_size
         num_kv_heads, head_dim = model.kv_cache_shape_per_layer()
         param = next(model.parameters())
@@ -101,9 +108,9 @@ class PagedHarness:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        ctx = ForwardContext(attn, self.kv_caches, get_attention_ops("torch"))
+        ctx = ForwardContext(attn, self.kv_caches, self.ops)
         hidden = self.model(dev(input_ids, torch.int64), dev(positions, torch.int64), ctx)
-        logits = self.model.compute_logits(hidden[: starts[-1]])
+        logits = self.model.compute_logits(hidden[: starts[-1]], self.ops)
         return {
             seq_id: logits[starts[i] : starts[i + 1]].cpu() for i, seq_id in enumerate(new_tokens)
         }

@@ -1,22 +1,25 @@
 """The torch references of DeepSeek's two kernels -- MLA decode over the paged
-latent cache (kernels/mla.py) and the fused MoE (kernels/moe.py) -- against
+latent cache (kernels/mla/reference.py) and the fused MoE (kernels/moe/reference.py) -- against
 slow, obvious implementations, on ragged shapes drawn by hypothesis; plus the
-backend dispatch the model uses to pick them."""
+op sets that hand them (or their Triton twins) to the model."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyengine.kernels.mla import mla_decode
-from tinyengine.kernels.moe import _fused_moe_dense, fused_moe
+from tests.hf_deepseek import make_tiny_deepseek
+from tinyengine.kernels.mla.reference import mla_decode
+from tinyengine.kernels.moe.reference import _fused_moe_dense, fused_moe
 from tinyengine.kernels.workspace import Workspace
-from tinyengine.models.mla import mla_decode_op
-from tinyengine.models.moe import fused_moe_op
 
 # ----------------------------------------------------------------------------- MLA decode
 
@@ -172,21 +175,47 @@ def test_fused_moe_bf16_and_bad_ids():
 # ----------------------------------------------------------------------------- dispatch
 
 
-def test_dispatch_falls_back_to_references(monkeypatch):
-    import tinyengine.kernels as kernels
+def test_op_sets_hold_their_own_implementations():
+    """Every field of the torch set is a torch reference; the Triton set on
+    CUDA holds Triton launchers for every op; on CPU it keeps the references
+    for the ops whose kernels only pay off on a GPU."""
+    from tinyengine.kernels import OpSet, torch_ops, triton_ops
 
-    assert mla_decode_op("torch") is kernels.mla.mla_decode
-    assert fused_moe_op("torch") is kernels.moe.fused_moe
-    # Without the Triton modules (None in sys.modules makes the import fail),
-    # the Triton op set still gets working MLA/MoE ops: the references.
-    mla_decode_op.cache_clear()
-    fused_moe_op.cache_clear()
-    for name in ("triton_mla", "triton_moe"):
-        monkeypatch.delattr(kernels, name, raising=False)
-        monkeypatch.setitem(sys.modules, f"tinyengine.kernels.{name}", None)
-    try:
-        assert mla_decode_op("triton") is kernels.mla.mla_decode
-        assert fused_moe_op("triton") is kernels.moe.fused_moe
-    finally:
-        mla_decode_op.cache_clear()
-        fused_moe_op.cache_clear()
+    fields = [f.name for f in dataclasses.fields(OpSet) if f.name != "name"]
+    torch_set, cuda_set, cpu_set = torch_ops(), triton_ops("cuda"), triton_ops("cpu")
+    assert torch_set.sample_draw is None
+    for name in fields:
+        op = getattr(torch_set, name)
+        assert op is None or op.__module__.endswith(".reference"), (name, op.__module__)
+        triton_op = getattr(cuda_set, name)
+        assert triton_op.__module__.split(".")[-1] in ("triton", "silu"), (name, triton_op)
+    for name in ("write_kv_cache", "paged_attention", "rope_write_kv", "mla_decode", "fused_moe"):
+        assert getattr(cpu_set, name) is getattr(cuda_set, name)
+    for name in ("rms_norm", "silu_and_mul", "linear", "linear_silu_mul", "sample_draw"):
+        assert getattr(cpu_set, name) is getattr(torch_set, name)
+
+
+_TORCH_ONLY_FORWARD = """
+import sys
+from tests.models.forward_harness import PagedHarness, load_tiny
+from tinyengine.kernels import torch_ops
+
+harness = PagedHarness(load_tiny(sys.argv[1]), block_size=4, num_blocks=64, ops=torch_ops())
+harness.step({0: list(range(3, 12)), 1: list(range(5, 9))})  # prefill (expanded MLA)
+harness.step({0: [7], 1: [8]})  # decode (absorbed MLA, MoE, norms, linear)
+assert "triton" not in sys.modules, sorted(m for m in sys.modules if m.startswith("triton"))
+"""
+
+
+def test_torch_op_set_runs_without_triton(tmp_path):
+    """A full DeepSeek forward (prefill then decode) with the torch op set never
+    imports triton: no model layer reaches a Triton module behind the set's back.
+    A fresh interpreter, because this test process has long imported triton."""
+    path = make_tiny_deepseek("v3", tmp_path / "v3")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", _TORCH_ONLY_FORWARD, str(path)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -6,6 +6,7 @@ sharded checkpoint; config spellings and dtype rules."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -16,8 +17,8 @@ from safetensors import safe_open
 
 from tests.hf_deepseek import VARIANTS, hf_logits, make_config, make_tiny_deepseek
 from tests.models.forward_harness import PagedHarness, load_tiny
-from tinyengine.kernels import get_attention_ops
-from tinyengine.kernels.moe import _fused_moe_dense
+from tinyengine.kernels import torch_ops
+from tinyengine.kernels.moe.reference import _fused_moe_dense
 from tinyengine.models.context import AttentionMetadata, ForwardContext
 
 TOL = 1e-4
@@ -112,23 +113,21 @@ def _graph_shaped_decode(harness: PagedHarness, tokens: dict[int, int], max_seq_
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc_cpu=None, seq_lens_cpu=None,
     )  # fmt: skip
-    ctx = ForwardContext(attn, harness.kv_caches, get_attention_ops("torch"))
+    ctx = ForwardContext(attn, harness.kv_caches, harness.ops)
     with torch.inference_mode():
         hidden = model(torch.tensor([tokens[s] for s in seq_ids]), torch.tensor(positions), ctx)
-        return model.compute_logits(hidden)
+        return model.compute_logits(hidden, ctx.ops)
 
 
 def test_decode_without_host_lengths_reads_nothing_on_host(tiny, monkeypatch):
     """The decode path as captured in a CUDA graph: with the MoE in its
     graph-safe dense form, nothing in the model may read a tensor on the host
     (any .item()/.tolist()/bool()/int() raises here)."""
-    import tinyengine.models.moe as moe_module
-
     path = tiny("v3")
     a, b = _tokens(20, 5), _tokens(7, 6)
     harness = PagedHarness(load_tiny(path), block_size=4, num_blocks=64)
     harness.step({0: a[:19], 1: b[:6]})
-    monkeypatch.setattr(moe_module, "fused_moe_op", lambda backend: _dense_op)
+    harness.ops = dataclasses.replace(torch_ops(), fused_moe=_dense_op)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host read of a device tensor on the decode path")

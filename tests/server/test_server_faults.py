@@ -45,7 +45,8 @@ def inproc(tiny_token_model: str):
     engine = app.state.engine
     assert engine.ready, engine.health()
 
-    runner = engine.engine.runner
+    # Test-only: reach past the bridge's interface to the LLMEngine it owns.
+    runner = engine._engine.runner
     real_launch = runner.launch
 
     def faulty_launch(plan):  # runs on the engine thread

@@ -174,3 +174,55 @@ def test_serve_takes_the_model_positionally_as_vllm_serve_does():
     assert (args.model_tag, args.model, args.port) == ("smollm2-135m", None, 9)
     args = build_parser().parse_args(["serve", "--model", "smollm2-135m"])
     assert (args.model_tag, args.model) == (None, "smollm2-135m")
+
+
+def test_async_engine_implements_the_engine_client():
+    """Every member of EngineClient (the handlers' whole view of the engine)
+    exists on AsyncLLMEngine with the same kind and parameters."""
+    import inspect
+
+    from tinyengine.serve.async_engine import AsyncLLMEngine
+    from tinyengine.serve.engine_client import EngineClient
+
+    members = [n for n in vars(EngineClient) if not n.startswith("_")]
+    assert {"model_info", "tokenizer", "submit", "abort", "health", "stats"} <= set(members)
+    for name in members:
+        spec = inspect.getattr_static(EngineClient, name)
+        impl = inspect.getattr_static(AsyncLLMEngine, name, None)
+        if isinstance(spec, property):
+            # a property on the class, or (metrics) an attribute set in __init__
+            assert isinstance(impl, property) or (
+                impl is None and name in AsyncLLMEngine.__init__.__code__.co_names
+            ), name
+        else:
+            assert callable(impl), name
+            assert list(inspect.signature(impl).parameters) == list(
+                inspect.signature(spec).parameters
+            ), name
+
+
+def test_handlers_never_reach_through_the_bridge():
+    """Only async_engine.py knows the engine: no other serve/ file imports
+    the engine's modules or reads an `engine` / `_engine` attribute (other
+    than `app.state.engine`, where the app keeps its EngineClient)."""
+    import ast
+    from pathlib import Path
+
+    serve = Path(__file__).resolve().parents[2] / "tinyengine" / "serve"
+    engine_modules = ("tinyengine.engine", "tinyengine.llm", "tinyengine.worker",
+                      "tinyengine.scheduling")  # fmt: skip
+    wrong = []
+    for path in sorted(serve.glob("*.py")):
+        if path.name == "async_engine.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(engine_modules):
+                wrong.append(f"{path.name}:{node.lineno} imports {node.module}")
+            if isinstance(node, ast.Import):
+                wrong += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith(engine_modules)]  # fmt: skip
+            if isinstance(node, ast.Attribute) and node.attr in ("engine", "_engine"):
+                on_state = isinstance(node.value, ast.Attribute) and node.value.attr == "state"
+                if not on_state:
+                    wrong.append(f"{path.name}:{node.lineno} reads .{node.attr}")
+    assert not wrong, "\n".join(wrong)

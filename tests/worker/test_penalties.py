@@ -96,7 +96,10 @@ def test_logit_bias_adds_before_the_penalties_and_needs_no_history():
 def test_sampler_counts_its_draws_and_keeps_raw_logprobs(fused):
     """Greedy with a huge presence penalty can never repeat a token; the
     history counts each draw; logprobs are those of the raw logits."""
-    sampler = Sampler("cpu", fused=fused)
+    draw = None
+    if fused:
+        from tinyengine.kernels.sampling.triton import gumbel_argmax_triton as draw
+    sampler = Sampler("cpu", draw=draw)
     logits = torch.zeros(1, VOCAB)
     logits[0, :5] = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0])
     params = [SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0,

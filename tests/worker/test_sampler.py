@@ -148,7 +148,10 @@ def seeded_run(
     """Tokens of one seeded request over `steps` steps, placed alone / first /
     last / in the middle of batches whose other rows change every step."""
     vocab = 97
-    sampler = Sampler(device, seed=sampler_seed)
+    draw = None  # the torch path on CPU; the engine's fused Triton draw on CUDA
+    if device == "cuda":
+        from tinyengine.kernels.sampling.triton import gumbel_argmax_triton as draw
+    sampler = Sampler(device, seed=sampler_seed, draw=draw)
     gen = sampler.new_generator(seed)
     others_rng = torch.Generator().manual_seed(1234 + len(position))
     tokens = []
@@ -209,7 +212,9 @@ def test_cuda_no_host_sync_before_final_copy() -> None:
     copy's event, which torch's sync debug mode does not report (it is not an
     implicit sync), and the results are right."""
     vocab, rows = 32_000, 48
-    sampler = Sampler("cuda")
+    from tinyengine.kernels.sampling.triton import gumbel_argmax_triton
+
+    sampler = Sampler("cuda", draw=gumbel_argmax_triton)  # the engine's CUDA sampler
     logits = torch.randn(rows, vocab, device="cuda") * 3
     kinds = [
         SamplingParams(temperature=0.0, logprobs=2),

@@ -1,12 +1,12 @@
-"""The startup state machine (tinyengine/worker/startup.py), first against a
-fake target that records what it is asked to do, then through the real engine
-on a tiny random Llama (CPU).
+"""The startup state machine (tinyengine/worker/startup.py), first against
+fake stages that record what they are asked to do, then through the real
+stages (tinyengine/worker/stages.py) and engine on a tiny random Llama (CPU).
 
-Fake target: every out-of-order transition, from every state, raises
+Fake stages: every out-of-order transition, from every state, raises
 StartupOrderError naming the stage it needs and changes nothing; a stage that
 raises lands the machine in FAILED with its error kept; the report lists the
 stages in order with non-negative figures; capture returning None is recorded
-as skipped.
+as skipped; each stage's result is handed to the next as an argument.
 
 Real engine: the report's stages and notes, the workspace locked on every
 path with no growth after KV sizing, warmup leaving no trace (no cached
@@ -21,6 +21,7 @@ import torch
 
 from tests.hf_models import make_tiny_hf_model
 from tinyengine import LLM, SamplingParams
+from tinyengine.worker.stages import ProfileResult
 from tinyengine.worker.startup import (
     TRANSITIONS,
     Stage,
@@ -43,8 +44,8 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-class FakeTarget:
-    """A StartupTarget that records every call; `fail` names a stage that raises."""
+class FakeStages:
+    """Stages that record every call; `fail` names a stage that raises."""
 
     def __init__(self, fail: str | None = None, capture_sizes: list[int] | None = None):
         self.fail = fail
@@ -76,33 +77,35 @@ class FakeTarget:
         if self.fail == name:
             raise RuntimeError(f"boom in {name}")
 
-    def stage_load(self) -> None:
+    def load(self) -> None:
         self._do("load")
 
-    def stage_profile(self) -> int:
+    def profile(self) -> ProfileResult:
         self._do("profile")
         self._ws_bytes, self._ws_growths = 2 * MIB, self._ws_growths + 2
-        return 12345
+        self.profiled = ProfileResult(peak_bytes=12345, decode_peak_bytes=345)
+        return self.profiled
 
-    def stage_size_kv(self, profiled_peak: int) -> int:
+    def size_kv(self, profile: ProfileResult) -> int:
         self._do("size_kv")
-        assert profiled_peak == 12345  # the machine hands profile's peak over
+        assert profile is self.profiled  # the machine hands profile's result over
         return 77
 
-    def stage_warmup(self) -> None:
+    def warmup(self, num_kv_blocks: int) -> None:
         self._do("warmup")
+        assert num_kv_blocks == 77  # ...and size_kv's
 
-    def stage_capture(self) -> list[int] | None:
+    def capture(self) -> list[int] | None:
         self._do("capture")
         return self.capture_sizes
 
-    def stage_lock(self) -> None:
+    def lock(self) -> None:
         self._do("lock")
 
 
 def _machine_at(k: int, **target_kwargs) -> StartupMachine:
     """A machine that ran the first k stages, in order."""
-    machine = StartupMachine(FakeTarget(**target_kwargs))
+    machine = StartupMachine(FakeStages(**target_kwargs))
     for name in ORDER[:k]:
         getattr(machine, name)()
     assert machine.state == REACHED[k]
@@ -114,7 +117,7 @@ def test_wrong_pairs_cover_every_state_and_transition():
 
 
 def test_right_order_reaches_ready():
-    target = FakeTarget(capture_sizes=[8, 4, 2, 1])
+    target = FakeStages(capture_sizes=[8, 4, 2, 1])
     machine = StartupMachine(target)
     assert machine.state == Stage.CREATED and not machine.ready
     for k, name in enumerate(ORDER, start=1):
@@ -130,7 +133,7 @@ def test_right_order_reaches_ready():
 
 
 def test_run_all_equals_stepwise():
-    report = StartupMachine(FakeTarget(capture_sizes=[1, 2])).run_all()
+    report = StartupMachine(FakeStages(capture_sizes=[1, 2])).run_all()
     assert report.state == "ready"
     assert [s.name for s in report.stages] == ORDER
 
@@ -147,7 +150,7 @@ def test_every_out_of_order_transition_raises(name, done):
     """From the state reached after `done` stages, every transition but the
     next one raises, names the stage it needs, and changes nothing."""
     machine = _machine_at(done, capture_sizes=[1])
-    target = machine.target
+    target = machine.stages
     calls, stages_set = list(target.calls), list(target.stages_set)
     num_records = len(machine.report.stages)
     needed, _ = TRANSITIONS[name]
@@ -175,7 +178,7 @@ def test_every_out_of_order_transition_raises(name, done):
 
 @pytest.mark.parametrize("failing", ORDER)
 def test_failing_stage_lands_in_failed_with_its_error(failing):
-    target = FakeTarget(fail=failing, capture_sizes=[1])
+    target = FakeStages(fail=failing, capture_sizes=[1])
     machine = StartupMachine(target)
     k = ORDER.index(failing)
     for name in ORDER[:k]:
@@ -204,8 +207,8 @@ def test_failing_stage_lands_in_failed_with_its_error(failing):
 def test_failure_keeps_non_exception_base_errors_too():
     """A KeyboardInterrupt in a stage must not leave the machine mid-stage."""
 
-    class Interrupting(FakeTarget):
-        def stage_warmup(self) -> None:
+    class Interrupting(FakeStages):
+        def warmup(self, num_kv_blocks: int) -> None:
             raise KeyboardInterrupt
 
     machine = StartupMachine(Interrupting())
@@ -216,7 +219,7 @@ def test_failure_keeps_non_exception_base_errors_too():
 
 
 def test_report_lists_stages_in_order_with_non_negative_figures():
-    machine = StartupMachine(FakeTarget(capture_sizes=[8, 4, 2, 1]))
+    machine = StartupMachine(FakeStages(capture_sizes=[8, 4, 2, 1]))
     report = machine.run_all()
     assert [s.name for s in report.stages] == ORDER
     for s in report.stages:
@@ -246,9 +249,9 @@ def test_report_lists_stages_in_order_with_non_negative_figures():
 
 
 def test_workspace_growth_after_kv_sizing_is_reported():
-    class LateGrowth(FakeTarget):
-        def stage_warmup(self) -> None:
-            super().stage_warmup()
+    class LateGrowth(FakeStages):
+        def warmup(self, num_kv_blocks: int) -> None:
+            super().warmup(num_kv_blocks)
             self._ws_bytes += MIB
             self._ws_growths += 1
 
@@ -258,7 +261,7 @@ def test_workspace_growth_after_kv_sizing_is_reported():
 
 
 def test_capture_returning_none_is_recorded_as_skipped():
-    report = StartupMachine(FakeTarget(capture_sizes=None)).run_all()
+    report = StartupMachine(FakeStages(capture_sizes=None)).run_all()
     assert report.state == "ready"
     capture = report.stages[ORDER.index("capture")]
     assert capture.skipped
@@ -392,21 +395,21 @@ def test_warmup_leaves_no_trace(llama_path, monkeypatch):
     """Right after startup: no cached block, every block free, stats zeroed,
     every KV value zero, no per-request state; and a warmup prompt submitted
     again gets no prefix-cache hit (a warmup block never serves one)."""
-    from tinyengine.engine import LLMEngine
+    from tinyengine.scheduling.scheduler import Scheduler
 
     warmup_prompts: list[list[int]] = []
-    original = LLMEngine.add_request
+    original = Scheduler.add_request
 
-    def add_request(self, prompt, params=None, request_id=None):
-        if request_id is not None and request_id.startswith("warmup-"):
-            warmup_prompts.append(list(prompt["prompt_token_ids"]))
-        return original(self, prompt, params, request_id)
+    def add_request(self, request):
+        if request.request_id.startswith("warmup-"):
+            warmup_prompts.append(list(request.prompt_token_ids))
+        return original(self, request)
 
-    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    monkeypatch.setattr(Scheduler, "add_request", add_request)
     # 64 tokens per step over 2 sequences: warmup prompts of 32 tokens (2 full blocks).
     llm = LLM(llama_path, **{**ENGINE, "max_num_seqs": 2})
     engine = llm.engine
-    assert warmup_prompts, "warmup sent no requests through the engine"
+    assert warmup_prompts, "warmup sent no requests through the scheduler"
     assert len(warmup_prompts[0]) >= 2 * engine.config.block_size
 
     bm = engine.scheduler.block_manager
@@ -493,8 +496,8 @@ def test_kv_budget_too_small_fails_loudly(llama_path, monkeypatch):
     machines: list[StartupMachine] = []
 
     class Recorded(StartupMachine):
-        def __init__(self, target) -> None:
-            super().__init__(target)
+        def __init__(self, stages) -> None:
+            super().__init__(stages)
             machines.append(self)
 
     monkeypatch.setattr(engine_mod, "StartupMachine", Recorded)

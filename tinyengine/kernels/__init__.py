@@ -1,54 +1,27 @@
-"""Pure tensor ops, chosen by name: the attention op sets (torch reference or
-Triton) that a model's attention layer calls through its ForwardContext.
+"""Pure tensor ops, one folder per op, each with a torch reference and a Triton
+implementation of the same signature side by side (tests compare them):
 
-Owns the mapping from a backend name to its op set. Must never import
-`models/` or `tinyengine/`, and must not import triton at module import time
-(the CPU path and the scheduling tests run without it).
+    attention/   paged attention and the KV-cache write
+    mla/         MLA decode over a paged latent cache
+    moe/         fused mixture-of-experts
+    norm/        RMSNorm, plain and fused with the residual add
+    activation/  SiLU-and-mul (its own folder: the model calls it after any
+                 linear, not only after a GEMV; the GEMV's fused epilogue in
+                 gemv/silu.py reuses its numbers instead of owning them)
+    rope/        the Llama-family rope + cache-write prologue, standalone RoPE
+    gemv/        linear layers at decode shapes (the skinny GEMM)
+    sampling/    the sampler's one-pass Gumbel-max draw
+    workspace/   the scratch arena every op draws temporary memory from
+
+Shared by the launchers: launch.py (interpreter detection, SM count, matmul
+precision), device_fn.py, tma.py; jit_monitor.py counts compiles for startup.
+opset.py is the one place that decides which implementation runs (`OpSet`,
+chosen once per engine from EngineConfig and carried by the forward context).
+
+Must never import anything above tinyengine.kernels (models, worker, ...), and
+must not import triton at package import time.
 """
 
-from __future__ import annotations
+from tinyengine.kernels.opset import BACKENDS, OpSet, choose_ops, torch_ops, triton_ops
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
-ATTENTION_BACKENDS = ("torch", "triton")
-
-
-@dataclass(frozen=True)
-class AttentionOps:
-    """One backend's attention ops; every backend has the same signatures as
-    kernels/attention.py (the torch reference)."""
-
-    name: str
-    write_kv_cache: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    # The Llama-family prologue fused with the cache write (kernels/rope_cache.py).
-    rope_write_kv: Callable[..., torch.Tensor]
-
-
-def get_attention_ops(name: str) -> AttentionOps:
-    if name == "torch":
-        from tinyengine.kernels import attention, rope_cache
-
-        return AttentionOps(
-            "torch",
-            attention.write_kv_cache,
-            attention.paged_attention,
-            rope_cache.rope_write_kv_torch,
-        )
-    if name == "triton":
-        from tinyengine.kernels import triton_attention, triton_rope_cache
-
-        return AttentionOps(
-            "triton",
-            triton_attention.write_kv_cache,
-            triton_attention.paged_attention,
-            triton_rope_cache.rope_write_kv_triton,
-        )
-    raise ValueError(
-        f"unknown attention backend {name!r}; choose one of {list(ATTENTION_BACKENDS)}"
-    )
+__all__ = ["BACKENDS", "OpSet", "choose_ops", "torch_ops", "triton_ops"]

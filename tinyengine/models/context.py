@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tinyengine.kernels.opset import OpSet
+
 
 @dataclass
 class AttentionMetadata:
@@ -38,10 +40,6 @@ class AttentionMetadata:
     # path); kernels meant for CUDA graphs read only the device tensors.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ class ForwardContext:
     # [num_blocks, block_size, num_kv_heads, head_dim] (see KVCacheSpec; a
     # latent cache passes the same tensor twice).
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    # The attention op set, chosen by the engine ("torch" or "triton"):
-    # kernels.get_attention_ops(name).
-    attention_ops: Any
-    workspace: Any = None  # the workspace arena (kernels/workspace.py), when present
+    # Every op the model calls (torch references or Triton kernels), chosen
+    # once by the engine: kernels.choose_ops(backend, device).
+    ops: OpSet
+    workspace: Any = None  # the workspace arena (kernels/workspace/), when present

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding, check_tp
 from tinyengine.models.mla import DeepseekRotaryEmbedding, MLAAttention, MLADims, mla_softmax_scale
@@ -161,14 +162,14 @@ class DeepseekDecoderLayer(nn.Module):
         # the next norm, and a layer returns (mlp_out, residual_before_mlp).
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm(hidden_states, ctx.ops)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, ctx.ops, residual)
         hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, ctx.ops, residual)
         if self.is_moe:
             return self.mlp(hidden_states, ctx), residual
-        return self.mlp(hidden_states), residual
+        return self.mlp(hidden_states, ctx.ops), residual
 
 
 class DeepseekModel(nn.Module):
@@ -197,7 +198,7 @@ class DeepseekModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, ctx.ops, residual)
         return hidden_states
 
 
@@ -211,7 +212,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     _is_v3 = False
     # EngineConfig's block_size default on CUDA with the Triton backend: the
     # MLA decode kernels then load each 64-row tile as one TMA copy of a whole
-    # page (kernels/triton_mla.py; at 128 heads on the H200 2.1x faster than
+    # page (kernels/mla/triton.py; at 128 heads on the H200 2.1x faster than
     # gathering the rows of 16-token blocks).
     cuda_block_size = 64
 
@@ -263,10 +264,22 @@ class DeepseekV2ForCausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
+        """Token counts whose kernel tile classes warmup must run: the first
+        count of each fused-MoE size class (kernels/moe/tiles.py) over the
+        model's MoE layers, ascending; [] without MoE layers."""
+        counts = {
+            n
+            for m in self.modules()
+            if isinstance(m, DeepseekMoE)
+            for n in m.warmup_token_counts(max_num_batched_tokens)
+        }
+        return sorted(counts)
+
+    def compute_logits(self, hidden_states: torch.Tensor, ops: OpSet) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab_size] in the model's dtype (the
         sampler widens them; see LlamaForCausalLM.compute_logits)."""
-        return self.lm_head(hidden_states)
+        return self.lm_head(hidden_states, ops)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -5,8 +5,8 @@ attention layer that talks to the KV cache through the ForwardContext.
 Owns the parameter layouts (e.g. q, k and v stacked in one `qkv_proj` weight)
 and each parameter's `weight_loader(param, loaded_tensor, shard_id)`, the only
 place that knows where a checkpoint tensor lands inside a fused parameter.
-Must never read files (that is models/loader.py) nor pick an attention backend
-(the ForwardContext carries the op set).
+Must never read files (that is models/loader.py) nor pick an implementation:
+every computing layer takes the op set (`ctx.ops`) and calls its ops.
 
 Rank-awareness seam: every layer takes `tp_rank, tp_size`. Only 0/1 works
 today; tensor parallelism will narrow each loaded tensor to the rank's slice in
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext
 
 
@@ -68,20 +69,6 @@ def packed_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: An
     param.data.narrow(0, start, size).copy_(loaded)
 
 
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """F.linear; on CUDA, a one-row input (batch-1 decode) goes through the
-    skinny GEMV kernel, which streams the weight near HBM bandwidth
-    (kernels/gemv.py; TINYENGINE_SKINNY_GEMM=0 turns it off). Imported lazily:
-    triton stays unloaded on CPU."""
-    if x.is_cuda:
-        from tinyengine.kernels.gemv import linear
-
-        return linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 class LinearBase(nn.Module):
     """y = x W^T + b with W [output_size, input_size]; parameters carry a
     weight_loader. Parallel variants differ only in how they shard."""
@@ -101,8 +88,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
     def _pack(self, shard_sizes: dict[Any, int]) -> None:
         """Declare that the output rows are several checkpoint tensors stacked."""
@@ -186,8 +173,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection hidden -> vocab; may share its weight with the
     input embedding (tie_word_embeddings)."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return _linear(hidden_states, self.weight)
+    def forward(self, hidden_states: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        return ops.linear(hidden_states, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -204,47 +191,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Round to the activation dtype before the weight multiply, as HF does;
-        # doing it after would differ by one rounding in bf16.
-        return self.weight * x32.to(x.dtype)
-
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, ops: OpSet, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda and x.is_contiguous() and (residual is None or residual.is_contiguous()):
-            # One fused kernel instead of ~6 elementwise launches (same rounding
-            # steps; kernels/norm.py). Imported lazily: triton stays unloaded on CPU.
-            from tinyengine.kernels.norm import rms_norm_triton
-
-            return rms_norm_triton(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up for a fused [..., 2 * I] gate_up activation."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.is_contiguous():
-            from tinyengine.kernels.activation import silu_and_mul_triton
+    def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        return ops.silu_and_mul(x)
 
-            return silu_and_mul_triton(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def of_linear(self, gate_up: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        """self(gate_up(x)); on CUDA a one-row x (batch-1 decode) runs as one
-        GEMV launch with the activation in its epilogue (kernels/gemv.py)."""
-        if x.is_cuda:
-            from tinyengine.kernels.gemv_silu import linear_silu_mul
-
-            return linear_silu_mul(x, gate_up.weight, gate_up.bias)
-        return self(gate_up(x))
+    def of_linear(self, gate_up: LinearBase, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        """self(gate_up(x)) as one op: the Triton set runs a one-row x
+        (batch-1 decode) as one GEMV launch with the activation in its epilogue."""
+        return ops.linear_silu_mul(x, gate_up.weight, gate_up.bias)
 
 
 class PagedAttention(nn.Module):
@@ -284,7 +246,7 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         k_cache, v_cache = self._kv_cache(ctx)
-        ctx.attention_ops.write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        ctx.ops.write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         return self._attend(q, k_cache, v_cache, ctx)
 
     def forward_rope(
@@ -302,7 +264,7 @@ class PagedAttention(nn.Module):
         (if given), RoPE and the cache write are one op (one kernel on the
         Triton backend), then attention. q, k, v may be views of a fused qkv."""
         k_cache, v_cache = self._kv_cache(ctx)
-        q = ctx.attention_ops.rope_write_kv(
+        q = ctx.ops.rope_write_kv(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, ctx.attn.slot_mapping,
             None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,
@@ -322,7 +284,7 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         attn = ctx.attn
-        return ctx.attention_ops.paged_attention(
+        return ctx.ops.paged_attention(
             q,
             k_cache,
             v_cache,

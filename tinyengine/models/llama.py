@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import (
     MergedColumnParallelLinear,
@@ -142,17 +143,17 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
+        qkv = self.qkv_proj(hidden_states, ctx.ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         # Qwen3's per-head norms (before RoPE: order matters), RoPE, and the
-        # K/V cache write are one op (kernels/rope_cache.py).
+        # K/V cache write are one op (ctx.ops.rope_write_kv).
         out = self.attn.forward_rope(
             q, k, v, positions, self.rotary_emb.cos_sin_cache, ctx, self.q_norm, self.k_norm
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), ctx.ops)
 
 
 class LlamaMLP(nn.Module):
@@ -168,8 +169,8 @@ class LlamaMLP(nn.Module):
         )  # fmt: skip
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x))
+    def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x, ops), ops)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -198,12 +199,12 @@ class LlamaDecoderLayer(nn.Module):
         # norm (fused add): layer i's output is (mlp_out, residual_before_mlp).
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm(hidden_states, ctx.ops)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, ctx.ops, residual)
         hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, ctx.ops, residual)
+        return self.mlp(hidden_states, ctx.ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -230,7 +231,7 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, ctx.ops, residual)
         return hidden_states
 
 
@@ -284,13 +285,19 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
+        """Token counts whose kernel tile classes warmup must run: none (the
+        dense layers' kernels pick tiles by query length, which warmup covers
+        with its power-of-two prefills)."""
+        return []
+
+    def compute_logits(self, hidden_states: torch.Tensor, ops: OpSet) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab_size] in the model's dtype. The runner
         passes only the rows it samples from, so the vocab matmul is not done for
         every token. No fp32 copy here: at batch 256 and a 152k vocabulary it
-        cost 115 us a step on the H200 (more than the sampling kernel); the
+        costs more than the sampling kernel; the
         sampler widens the values it needs (the fused kernel in registers)."""
-        return self.lm_head(hidden_states)
+        return self.lm_head(hidden_states, ops)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -9,7 +9,7 @@ softmax scale, and the two ways of attending:
     the latent c (width L) to per-head k_nope (dn) and v (dv):
     k_nope_h = W_UK_h c, v_h = W_UV_h c. Then q_nope_h . k_nope_h =
     (W_UK_h^T q_nope_h) . c, so the query is folded into latent space once and
-    attention runs directly over the cached latents (kernels/mla.py); the
+    attention runs directly over the cached latents (ctx.ops.mla_decode); the
     output latent is mapped to v space with W_UV_h afterwards. Per step this
     reads L + R values per cached token instead of H * (dn + dr + dv).
   * prefill and mixed batches: the *expanded* form. Each prefill sequence's
@@ -28,16 +28,12 @@ is free of host reads (it runs inside CUDA graphs).
 
 from __future__ import annotations
 
-import functools
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tinyengine.kernels import mla as mla_ref
 from tinyengine.models import rotary
 from tinyengine.models.context import ForwardContext
 from tinyengine.models.layers import (
@@ -115,26 +111,6 @@ class DeepseekRotaryEmbedding(rotary.RopeCache):
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
-# ----------------------------------------------------------------------------- kernels
-
-
-@functools.lru_cache(maxsize=4)
-def mla_decode_op(backend: str) -> Callable[..., torch.Tensor]:
-    """kernels/triton_mla.mla_decode under the Triton op set when that module
-    exists, else the torch reference (same signature either way)."""
-    if backend == "triton":
-        try:
-            # import_module, not `from kernels import ...`: only it reports a
-            # missing module as ModuleNotFoundError naming that module.
-            triton_mla = importlib.import_module("tinyengine.kernels.triton_mla")
-        except ModuleNotFoundError as err:
-            if err.name != "tinyengine.kernels.triton_mla":
-                raise
-        else:
-            return triton_mla.mla_decode
-    return mla_ref.mla_decode
-
-
 # ----------------------------------------------------------------------------- attention
 
 
@@ -202,21 +178,21 @@ class MLAAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        d, num_tokens = self.dims, hidden_states.shape[0]
+        d, num_tokens, ops = self.dims, hidden_states.shape[0], ctx.ops
         if d.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
+            q = self.q_proj(hidden_states, ops)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states, ops), ops), ops)
         q_nope, q_pe = q.view(num_tokens, d.num_heads, d.qk_head_dim).split(
             [d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1
         )
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states, ops).split(
             [d.kv_lora_rank, d.qk_rope_head_dim], dim=-1
         )
         q_pe = self.rotary_emb(positions, q_pe)
         k_pe = self.rotary_emb(positions, k_pe.unsqueeze(1))
         # One cache row per token: [normed latent | roped shared key].
-        row = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_pe], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(latent, ops).unsqueeze(1), k_pe], dim=-1)
         if self.layer_idx >= len(ctx.kv_caches):
             raise RuntimeError(
                 f"MLA layer {self.layer_idx} has no KV cache: ctx.kv_caches holds "
@@ -225,13 +201,13 @@ class MLAAttention(nn.Module):
         cache = ctx.kv_caches[self.layer_idx][0]
         # The latent cache is one tensor (KVCacheSpec.is_latent): writing it
         # as both "k" and "v" stores the same row twice, which is harmless.
-        ctx.attention_ops.write_kv_cache(row, row, cache, cache, ctx.attn.slot_mapping)
+        ctx.ops.write_kv_cache(row, row, cache, cache, ctx.attn.slot_mapping)
 
         if ctx.attn.max_query_len == 1:
             out = self._decode_only(q_nope, q_pe, cache, ctx)
         else:
             out = self._mixed(q_nope, q_pe, cache, ctx)
-        return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim))
+        return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim), ops)
 
     # --- decode: absorbed weights over the latent cache ---
 
@@ -254,7 +230,7 @@ class MLAAttention(nn.Module):
         """One query row per sequence -> attention output [B, H, dv]."""
         w_uk, w_uv = self._absorbed_weights()
         q_latent = torch.einsum("bhd,hdl->bhl", q_nope, w_uk).contiguous()
-        out_latent = mla_decode_op(ctx.attention_ops.name)(
+        out_latent = ctx.ops.mla_decode(
             q_latent,
             q_pe.contiguous(),
             cache,
@@ -339,7 +315,7 @@ class MLAAttention(nn.Module):
         # cached prefix that profile never saw.
         rows = cache[block_ids, :, 0]  # [NB, block_size, L + R]
         latent, k_pe = rows.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(*latent.shape[:2], d.num_heads, -1)
+        kv = self.kv_b_proj(latent, ctx.ops).view(*latent.shape[:2], d.num_heads, -1)
         k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, d.num_heads, -1)], dim=-1)
 
@@ -356,7 +332,7 @@ class MLAAttention(nn.Module):
         for q_len in seq_q_lens:
             query_start_loc.append(query_start_loc[-1] + q_len)
         device = q_nope.device
-        return ctx.attention_ops.paged_attention(
+        return ctx.ops.paged_attention(
             torch.cat([q_nope, q_pe], dim=-1),
             k,
             v,

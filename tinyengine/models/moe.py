@@ -6,18 +6,15 @@ Owns the expert parameter layout -- per layer w13 [E, 2I, D] (each expert's
 gate rows then up rows) and w2 [E, D, I] -- and the weight loaders that stack
 the checkpoint's per-expert tensors (`mlp.experts.E.{gate,up,down}_proj.weight`)
 into it, addressed by shard ids (E, 0 | 1) and E. Routing lives here, not in
-the kernel: kernels/moe.py (or its Triton twin) only applies a routing.
+the kernel: ctx.ops.fused_moe only applies a routing.
 
-Must never read files or pick a backend by itself: the op set named by the
-ForwardContext decides which fused_moe runs. Routing is made of device ops
+Must never read files or pick an implementation: the ForwardContext's op set
+brings fused_moe. Routing is made of device ops
 only (top-k, scatter, masks), so it is safe inside CUDA graphs.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyengine.kernels import moe as moe_ref
+from tinyengine.kernels.moe.tiles import moe_token_classes
+from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext
 from tinyengine.models.layers import (
     MergedColumnParallelLinear,
@@ -36,23 +34,6 @@ from tinyengine.models.layers import (
 )
 
 ROUTINGS = ("noaux_tc", "greedy", "group_limited_greedy")
-
-
-@functools.lru_cache(maxsize=4)
-def fused_moe_op(backend: str) -> Callable[..., torch.Tensor]:
-    """kernels/triton_moe.fused_moe under the Triton op set when that module
-    exists, else the torch reference (same signature either way)."""
-    if backend == "triton":
-        try:
-            # import_module, not `from kernels import ...`: only it reports a
-            # missing module as ModuleNotFoundError naming that module.
-            triton_moe = importlib.import_module("tinyengine.kernels.triton_moe")
-        except ModuleNotFoundError as err:
-            if err.name != "tinyengine.kernels.triton_moe":
-                raise
-        else:
-            return triton_moe.fused_moe
-    return moe_ref.fused_moe
 
 
 # ----------------------------------------------------------------------------- routing
@@ -176,8 +157,8 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x))
+    def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x, ops), ops)
 
 
 class TopkRouter(nn.Module):
@@ -231,8 +212,9 @@ class FusedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        op = fused_moe_op(ctx.attention_ops.name)
-        return op(x, self.w13_weight, self.w2_weight, weights, ids, workspace=ctx.workspace)
+        return ctx.ops.fused_moe(
+            x, self.w13_weight, self.w2_weight, weights, ids, workspace=ctx.workspace
+        )
 
 
 def _expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
@@ -274,8 +256,14 @@ class DeepseekMoE(nn.Module):
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids, ctx)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x, ctx.ops)
         return out
+
+    def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
+        """One token count per size class of the fused-MoE kernel's tile table
+        (kernels/moe/tiles.py) for this layer's routing shape."""
+        c = self.gate.cfg
+        return moe_token_classes(max_num_batched_tokens, c.top_k, c.num_experts)
 
 
 def _fp32_param(*shape: int) -> nn.Parameter:

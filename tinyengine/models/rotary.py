@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinyengine.kernels.rope_cache import gather_cos_sin, rotate_neox
+from tinyengine.kernels.rope.reference import gather_cos_sin, rotate_neox
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_ROPE_THETA = 10000.0
@@ -143,7 +143,7 @@ class RopeCache(nn.Module):
     the host in fp32 for positions [0, max_position_embeddings).
     `cover_positions(n)` extends it when the engine serves longer sequences
     (max_model_len past max_position_embeddings,
-    TINYENGINE_ALLOW_LONG_MAX_MODEL_LEN): RoPE is defined at every position
+    EngineConfig.allow_long_max_model_len): RoPE is defined at every position
     and HF computes it on the fly, so the extension is what HF would use."""
 
     def _init_cache(self, inv_freq: torch.Tensor, attention_factor: float, num_positions: int,

@@ -7,8 +7,9 @@ and Starlette's own 404/405), and GET /health, /v1/models(/{id}) and /metrics.
 The generation endpoints live in generate.py, /tokenize and /detokenize in
 tokenize.py.
 
-Must never: call LLMEngine directly (only through AsyncLLMEngine), or let an
-error escape as an HTML or `{"detail": ...}` body.
+Must never: reach past the EngineClient interface (engine_client.py; only the
+lifespan calls the bridge's start/stop), or let an error escape as an HTML or
+`{"detail": ...}` body.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tinyengine.serve.async_engine import AsyncLLMEngine
-from tinyengine.serve.checks import check_model
+from tinyengine.serve.checks import check_model, engine_client
 from tinyengine.serve.generate import router as generate_router
 from tinyengine.serve.protocol import APIError
 from tinyengine.serve.settings import ServerSettings
@@ -41,8 +42,11 @@ logger = logging.getLogger("tinyengine.server")
 
 def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -> FastAPI:
     """The server for `settings`. Pass `engine` to serve a prebuilt (not yet
-    started) AsyncLLMEngine, e.g. in tests."""
-    engine = engine or AsyncLLMEngine(settings.model, settings.engine_kwargs)
+    started) AsyncLLMEngine, e.g. in tests; its model info is what the server
+    reports."""
+    engine = engine or AsyncLLMEngine(
+        settings.model, settings.engine_kwargs, served_model_name=settings.model_name
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,13 +80,14 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
     protected = APIRouter(dependencies=[Depends(require_api_key)])
 
     def model_card() -> dict[str, Any]:
+        info = engine.model_info
         return {
-            "id": settings.model_name,
+            "id": info.name,
             "object": "model",
             "created": 0,
             "owned_by": "tinyengine",
-            "root": settings.model,
-            "max_model_len": engine.engine.max_model_len if engine.ready else None,
+            "root": info.root,
+            "max_model_len": info.max_model_len,  # None while the engine starts
         }
 
     @protected.get("/v1/models")
@@ -90,14 +95,15 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
         return {"object": "list", "data": [model_card()]}
 
     @protected.get("/v1/models/{model:path}")  # OpenAI's models.retrieve; ids may hold "/"
-    async def retrieve_model(request: Request, model: str) -> dict[str, Any]:
-        check_model(request, model)
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        check_model(engine, model)
         return model_card()
 
     @protected.get("/metrics")
     async def metrics() -> PlainTextResponse:
         h = engine.health()
-        text = engine.metrics.render(engine.stats(), h.stage_seconds, h.ready, settings.model_name)
+        name = engine.model_info.name
+        text = engine.metrics.render(engine.stats(), h.stage_seconds, h.ready, name)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     app.include_router(protected)
@@ -108,7 +114,7 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
 
 def _stop_serving_on_exit_signals(engine: AsyncLLMEngine) -> None:
     """On SIGINT/SIGTERM uvicorn stops accepting and then waits for every open
-    connection to finish: one long generation held a SIGTERM for minutes.
+    connection to finish: one long generation would hold a SIGTERM for minutes.
     Chained onto the handlers uvicorn installed (this runs at startup, after
     it did), the first signal also stops the engine, failing the in-flight
     requests with "the server is shutting down", so the connections close
@@ -155,7 +161,7 @@ async def require_api_key(request: Request) -> None:
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     if exc.status < 500:
-        request.app.state.engine.metrics.count_request("rejected")
+        engine_client(request).metrics.count_request("rejected")
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 

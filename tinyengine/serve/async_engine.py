@@ -1,5 +1,10 @@
 """AsyncLLMEngine: the bridge between asyncio HTTP handlers and the LLMEngine.
 
+It implements `EngineClient` (engine_client.py), all that handlers may use,
+and is the one holder of an LLMEngine: this file alone knows the engine's API
+(`StartupMachine.for_config`, `LLMEngine(config, startup)`, the machine's
+`state/report/running`, `add_request`, `step`, ...).
+
 One background thread owns the LLMEngine: it builds it, runs the startup state
 machine, then loops: apply the commands that arrived (add, abort), run one
 step, hand the outputs back. Handlers never call the engine; they post
@@ -24,62 +29,35 @@ stream has been aborted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tinyengine.outputs import RequestOutput
+from tinyengine import models_presets
 from tinyengine.sampling_params import SamplingParams
+from tinyengine.serve.engine_client import (
+    ACCEPTED,
+    EngineNotReadyError,
+    Failure,
+    Health,
+    ModelInfo,
+    PromptType,
+    RequestFailedError,
+    RequestRejectedError,
+    RequestStream,
+)
 from tinyengine.serve.metrics import ServerMetrics
+from tinyengine.tokenizer import Tokenizer
 
 logger = logging.getLogger("tinyengine.server")
 
-PromptType = str | dict[str, Any]
 
-
-class EngineNotReadyError(RuntimeError):
-    """The engine is still starting (or failed to start); the server answers 503."""
-
-
-class RequestRejectedError(ValueError):
-    """add_request refused the request (bad input); the server answers 400,
-    naming `param` when the engine said which field was at fault."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while running the request; the server answers 500."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted (its client went away) before the engine took it."""
-
-
-@dataclass
-class Health:
-    ready: bool
-    state: str  # "preparing", a startup Stage value ("loaded", ...), "ready" or "failed"
-    stage: str | None  # the startup stage running now ("profile", ...), if any
-    error: str | None
-    stage_seconds: dict[str, float]
-
-    def as_dict(self) -> dict[str, Any]:
-        status = "ready" if self.ready else "failed" if self.state == "failed" else "starting"
-        body: dict[str, Any] = {"status": status}
-        body.update(state=self.state, stage=self.stage, stage_seconds=self.stage_seconds)
-        if self.error:
-            body["error"] = self.error
-        return body
-
-
-# --- what travels between the two threads ---
+# --- what travels from the event loop to the engine thread ---
 
 
 @dataclass
@@ -95,13 +73,6 @@ class _Abort:
     request_ids: list[str]
 
 
-@dataclass
-class _Failure:
-    error: Exception
-
-
-_ACCEPTED = object()  # every prompt of the stream is in the engine
-_ABORTED = object()  # the handler gave up (client gone); readers stop
 _SHUTDOWN = object()
 
 
@@ -117,74 +88,34 @@ class _Live:
     num_output_tokens: int = 0
 
 
-class RequestStream:
-    """The outputs of one HTTP request: one engine request per prompt, each
-    output tagged with its prompt's index. Used only on the event loop."""
-
-    def __init__(self, engine: AsyncLLMEngine, request_ids: list[str]) -> None:
-        self.request_ids = request_ids
-        self._engine = engine
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._unfinished = set(range(len(request_ids)))
-        self.done = False
-
-    def _put(self, event: Any) -> None:
-        if isinstance(event, _Failure):
-            self.done = True  # the engine already removed every sub-request
-        self._queue.put_nowait(event)
-
-    async def accepted(self) -> None:
-        """Wait until the engine took the request; raise what it said otherwise."""
-        event = await self._queue.get()
-        if isinstance(event, _Failure):
-            raise event.error
-        if event is _ABORTED:
-            raise RequestAbortedError("request aborted before it was accepted")
-        assert event is _ACCEPTED
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative RequestOutput) until every prompt finished.
-        Raises RequestFailedError if the engine failed the request; ends early
-        (no error) if the request was aborted."""
-        while self._unfinished:
-            event = await self._queue.get()
-            if isinstance(event, _Failure):
-                raise event.error
-            if event is _ABORTED:
-                return
-            index, output = event
-            if output.finished:
-                self._unfinished.discard(index)
-            yield index, output
-        self.done = True
-
-    def abort(self) -> None:
-        """Stop every unfinished sub-request and free its KV blocks. Idempotent."""
-        if self.done:
-            return
-        self.done = True
-        self._engine._post(_Abort(list(self.request_ids)))
-        self._queue.put_nowait(_ABORTED)  # wakes a reader blocked on get()
-
-
 class AsyncLLMEngine:
-    """Owns the engine thread. `start()` returns at once; /health watches
-    `health()` while the model is built, loaded, profiled and warmed up."""
+    """Owns the engine thread and implements EngineClient. `start()` returns
+    at once; /health watches `health()` while the model is built, loaded,
+    profiled and warmed up.
+
+    Lifecycle (app.py's, not the handlers'): start(), stop_serving(), shutdown().
+    """
 
     def __init__(
         self,
         model: str | None,
         engine_kwargs: dict[str, Any] | None = None,
+        served_model_name: str | None = None,
         resolve_model: Callable[[str | None], str] | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
-        self.model_spec = model
-        self.engine_kwargs = dict(engine_kwargs or {})
-        if resolve_model is None:
-            from tinyengine.models_presets import resolve_model
-        self._resolve_model = resolve_model
+        self._model_spec = model
+        self._engine_kwargs = dict(engine_kwargs or {})
+        self._resolve_model = resolve_model or models_presets.resolve_model
         self.metrics = metrics or ServerMetrics()
-        self.engine: Any = None  # LLMEngine once built (Any: avoids importing torch here)
+        # What handlers read about the model; the limits are filled in (by the
+        # engine thread, before `ready`) once the engine exists.
+        name = served_model_name or models_presets.served_model_name(model)
+        self._model_info = ModelInfo(name, model)
+        self._tokenizer: Tokenizer | None = None
+        # Built on the engine thread. Any: naming their types would import torch here.
+        self._startup: Any = None  # the StartupMachine, from before the engine exists
+        self._engine: Any = None  # the LLMEngine, once its startup reached READY
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[RequestStream, Any]] = []
@@ -195,6 +126,16 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closing = False  # stop_serving() was called: refuse new requests
+
+    # --- model info (event loop side) ---
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
 
     # --- lifecycle (event loop side) ---
 
@@ -224,11 +165,10 @@ class AsyncLLMEngine:
         seconds: dict[str, float] = {}
         if self._prepare_seconds is not None:
             seconds["prepare_model"] = self._prepare_seconds
-        engine = self.engine
-        if engine is None:
+        machine = self._startup
+        if machine is None:
             state, stage = ("failed", None) if self._error else ("preparing", "prepare_model")
             return Health(False, state, stage, self._error, seconds)
-        machine = engine.startup
         for record in list(machine.report.stages):
             seconds[record.name] = record.seconds
         state = machine.state.value
@@ -237,6 +177,10 @@ class AsyncLLMEngine:
             return Health(False, "failed", None, machine.report.error or self._error, seconds)
         if self.ready:
             return Health(True, "ready", None, None, seconds)
+        if not machine.report.stages and machine.running is None:
+            # The LLMEngine constructor's work before the first stage (reading
+            # the tokenizer) is still preparing the model.
+            return Health(False, "preparing", "prepare_model", None, seconds)
         return Health(False, state, machine.running, None, seconds)
 
     def stats(self) -> dict[str, Any] | None:
@@ -261,13 +205,14 @@ class AsyncLLMEngine:
             raise EngineNotReadyError("the server is shutting down")
         if not self.ready:
             raise EngineNotReadyError(self.not_ready_message())
-        if len(prompts) == 1:
-            ids = [request_id]
-        else:
-            ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        stream = RequestStream(self, ids)
+        one = len(prompts) == 1
+        ids = [request_id] if one else [f"{request_id}-{i}" for i in range(len(prompts))]
+        stream = RequestStream(ids, self.abort)
         self._post(_Add(stream, list(prompts), per_prompt, time.monotonic()))
         return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._post(_Abort(list(request_ids)))
 
     def not_ready_message(self) -> str:
         h = self.health()
@@ -283,8 +228,15 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         if not self._start_engine():
             return
-        engine = self.engine
+        engine = self._engine
         self._stats = engine.stats()
+        # Published before `ready`: a handler that sees ready also sees these.
+        self._model_info = dataclasses.replace(
+            self._model_info,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.runner.vocab_size,
+        )
+        self._tokenizer = engine.tokenizer
         self._ready.set()
         logger.info("engine ready")
         while True:
@@ -300,14 +252,17 @@ class AsyncLLMEngine:
     def _start_engine(self) -> bool:
         from tinyengine.config import EngineConfig
         from tinyengine.engine import LLMEngine
+        from tinyengine.worker.startup import StartupMachine
 
         start = time.perf_counter()
         try:
-            path = self._resolve_model(self.model_spec)
-            config = EngineConfig.from_kwargs(path, **self.engine_kwargs)
-            self.engine = LLMEngine(config, start=False)
+            path = self._resolve_model(self._model_spec)
+            config = EngineConfig.from_kwargs(path, **self._engine_kwargs)
+            # The machine exists before the engine, so health() can read its
+            # state while the LLMEngine constructor runs it to READY.
+            self._startup = StartupMachine.for_config(config)
             self._prepare_seconds = time.perf_counter() - start
-            self.engine.start()
+            self._engine = LLMEngine(config, self._startup)
         except Exception as exc:
             if self._prepare_seconds is None:
                 self._prepare_seconds = time.perf_counter() - start
@@ -336,7 +291,7 @@ class AsyncLLMEngine:
 
     def _add(self, add: _Add) -> None:
         """All prompts of a stream go in, or none do."""
-        engine, stream = self.engine, add.stream
+        engine, stream = self._engine, add.stream
         added: list[str] = []
         try:
             for index, (prompt, params, request_id) in enumerate(
@@ -359,9 +314,9 @@ class AsyncLLMEngine:
             )
             if not isinstance(exc, ValueError):
                 logger.exception("add_request failed")
-            self._outbox.append((stream, _Failure(error)))
+            self._outbox.append((stream, Failure(error)))
             return
-        self._outbox.append((stream, _ACCEPTED))
+        self._outbox.append((stream, ACCEPTED))
 
     def _abort(self, request_ids: list[str]) -> None:
         now = time.monotonic()
@@ -369,12 +324,12 @@ class AsyncLLMEngine:
             live = self._live.pop(request_id, None)
             if live is None:
                 continue  # finished (or failed) before the abort arrived
-            self.engine.abort_request(request_id)
+            self._engine.abort_request(request_id)
             self._record_finish(live, "abort", now)
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests it was running")
             self._fail_step(exc)
@@ -399,7 +354,7 @@ class AsyncLLMEngine:
         poisonous request from failing every later step. Waiting requests are
         untouched, unless nothing was running (then the fault is elsewhere and
         everything is failed so the loop cannot spin on it)."""
-        scheduler = self.engine.scheduler
+        scheduler = self._engine.scheduler
         victims = {r.request_id for r in scheduler.running} or set(scheduler.requests)
         # A step that broke after finishing some requests leaves live entries
         # the scheduler no longer knows: they would wait forever.
@@ -409,16 +364,16 @@ class AsyncLLMEngine:
         for stream in streams:
             self._fail_stream(stream, error)
         for request_id in victims:  # requests without a stream (none expected)
-            self.engine.abort_request(request_id)
+            self._engine.abort_request(request_id)
 
     def _fail_stream(self, stream: RequestStream, error: Exception) -> None:
         now = time.monotonic()
         for request_id in stream.request_ids:
             live = self._live.pop(request_id, None)
             if live is not None:
-                self.engine.abort_request(request_id)
+                self._engine.abort_request(request_id)
                 self._record_finish(live, "error", now)
-        self._outbox.append((stream, _Failure(error)))
+        self._outbox.append((stream, Failure(error)))
 
     def _fail_all(self, error: Exception) -> None:
         for stream in {live.stream for live in self._live.values()}:
@@ -443,4 +398,4 @@ class AsyncLLMEngine:
 
 def _deliver(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, event in batch:
-        stream._put(event)
+        stream.put(event)

@@ -2,25 +2,33 @@
 (else 503), the body is within the size limit (else 413, counted while
 reading, so a chunked body without Content-Length is limited too), and the
 request names the served model (else 404 model_not_found).
+
+Must never: reach past the EngineClient interface (engine_client.py).
 """
 
 from __future__ import annotations
 
 from fastapi import Request
 
-from tinyengine.serve.async_engine import AsyncLLMEngine
+from tinyengine.serve.engine_client import EngineClient
 from tinyengine.serve.protocol import APIError
 
 
-def ready_engine(request: Request) -> AsyncLLMEngine:
-    engine: AsyncLLMEngine = request.app.state.engine
+def engine_client(request: Request) -> EngineClient:
+    """The app's engine, as the handlers may see it."""
+    engine: EngineClient = request.app.state.engine
+    return engine
+
+
+def ready_engine(request: Request) -> EngineClient:
+    engine = engine_client(request)
     if not engine.ready:
         raise APIError(503, engine.not_ready_message(), "service_unavailable")
     return engine
 
 
-def check_model(request: Request, model: str | None) -> str:
-    served = request.app.state.settings.model_name
+def check_model(engine: EngineClient, model: str | None) -> str:
+    served = engine.model_info.name
     if model is not None and model != served:
         raise APIError(
             404,

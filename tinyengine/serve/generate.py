@@ -10,8 +10,8 @@ Streaming never sends text that a later token could turn into a stop string
 (the engine cuts stop strings out of the final text; we hold back, per
 `stop_string_holdback`, whatever could still become one).
 
-Must never: call the LLMEngine itself, or leave a request in the engine once
-its response is over, however it ended.
+Must never: reach past the EngineClient interface (engine_client.py), or
+leave a request in the engine once its response is over, however it ended.
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ from tinyengine.detokenizer import stop_string_holdback
 from tinyengine.outputs import RequestOutput
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.serve import responses as R
-from tinyengine.serve.async_engine import (
-    AsyncLLMEngine,
+from tinyengine.serve.checks import check_model, read_body, ready_engine
+from tinyengine.serve.engine_client import (
+    EngineClient,
     EngineNotReadyError,
+    PromptType,
     RequestAbortedError,
     RequestFailedError,
     RequestRejectedError,
     RequestStream,
 )
-from tinyengine.serve.checks import check_model, read_body, ready_engine
 from tinyengine.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -44,6 +45,7 @@ from tinyengine.serve.protocol import (
     bad_request,
     parse_request,
 )
+from tinyengine.serve.tokenize import render_chat, require_tokenizer
 
 router = APIRouter()
 
@@ -72,7 +74,7 @@ class _Job:
 async def create_completion(request: Request) -> JSONResponse | StreamingResponse:
     engine = ready_engine(request)
     req = parse_request(await read_body(request), CompletionRequest)
-    model = check_model(request, req.model)
+    model = check_model(engine, req.model)
     params = req.sampling_params()
     prompts = req.prompts()
     job = _Job(R.new_id("cmpl"), model, False, params, req.logprobs, req.include_usage_in_stream)
@@ -85,54 +87,46 @@ async def create_completion(request: Request) -> JSONResponse | StreamingRespons
 async def create_chat_completion(request: Request) -> JSONResponse | StreamingResponse:
     engine = ready_engine(request)
     req = parse_request(await read_body(request), ChatCompletionRequest)
-    model = check_model(request, req.model)
+    model = check_model(engine, req.model)
     params = req.sampling_params()
-    tokenizer = engine.engine.tokenizer
-    if tokenizer is None:
-        raise bad_request(
-            "this model has no tokenizer, so chat is unavailable; use "
-            "/v1/completions with token ids",
-            "messages",
-        )
-    messages = req.template_messages()
-    try:
-        # Off the event loop: a long conversation takes a while to render and encode.
-        token_ids = await asyncio.to_thread(
-            tokenizer.apply_chat_template,
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            tokenize=True,
-            **({"tools": req.tools} if req.tools else {}),
-            **(req.chat_template_kwargs or {}),
-        )
-    except (ValueError, TypeError) as e:
-        raise bad_request(str(e), "messages") from e
+    tokenizer = require_tokenizer(
+        engine,
+        "this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids",
+        "messages",
+    )
+    token_ids = await render_chat(
+        tokenizer,
+        req.template_messages(),
+        req.add_generation_prompt,
+        req.tools,
+        req.chat_template_kwargs,
+    )
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     job = _Job(R.new_id("chatcmpl"), model, True, params, num_logprobs, req.include_usage_in_stream)
     job.param_names["prompt"] = "messages"
     if req.max_completion_tokens is not None:
         job.param_names["max_tokens"] = "max_completion_tokens"
-    prompts: list[str | dict[str, Any]] = [{"prompt_token_ids": token_ids}]
+    prompts: list[PromptType] = [{"prompt_token_ids": token_ids}]
     return await _generate(request, engine, prompts, job, bool(req.stream))
 
 
-def _prompt_text(engine: AsyncLLMEngine, prompt: str | dict[str, Any]) -> str:
+def _prompt_text(engine: EngineClient, prompt: PromptType) -> str:
     """A prompt as text, for echo: the string itself, or its token ids decoded."""
     if isinstance(prompt, str):
         return prompt
-    tokenizer = engine.engine.tokenizer
-    if tokenizer is None:
-        raise bad_request("echo of token-id prompts needs a tokenizer; this model has none", "echo")
+    tokenizer = require_tokenizer(
+        engine, "echo of token-id prompts needs a tokenizer; this model has none", "echo"
+    )
     try:
         return tokenizer.decode(prompt["prompt_token_ids"])
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         raise bad_request(f"prompt: cannot decode the token ids: {e}", "prompt") from e
 
 
-def _first_token_text(engine: AsyncLLMEngine, output: RequestOutput) -> str:
+def _first_token_text(engine: EngineClient, output: RequestOutput) -> str:
     """The text of a prompt's first token (echo with logprobs lists it, with a
     null logprob)."""
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     first = output.prompt_token_ids[0]
     return tokenizer.decode([first]) if tokenizer is not None else f"token_id:{first}"
 
@@ -142,8 +136,8 @@ def _first_token_text(engine: AsyncLLMEngine, output: RequestOutput) -> str:
 
 async def _generate(
     request: Request,
-    engine: AsyncLLMEngine,
-    prompts: list[str | dict[str, Any]],
+    engine: EngineClient,
+    prompts: list[PromptType],
     job: _Job,
     stream: bool,
 ) -> JSONResponse | StreamingResponse:
@@ -220,7 +214,7 @@ async def _stream(
     watcher: asyncio.Task[None],
     job: _Job,
     num_choices: int,
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
 ) -> AsyncIterator[str]:
     created = R.now()
     chat = job.chat

@@ -33,8 +33,7 @@ ENV_PREFIX = "TINYENGINE_"
 # The server's own variables, and those other parts of tinyengine read.
 _SERVER_VARS = {ENV_PREFIX + n for n in ("MODEL", "SERVED_MODEL_NAME", "API_KEY",
                                          "MAX_REQUEST_BYTES")}  # fmt: skip
-_OTHER_VARS = {ENV_PREFIX + n for n in ("CACHE", "BUILD_DEVICE", "ALLOW_LONG_MAX_MODEL_LEN",
-                                        "FUSED_SAMPLER", "SKINNY_GEMM")}  # fmt: skip
+_OTHER_VARS = {ENV_PREFIX + n for n in ("CACHE", "BUILD_DEVICE")}
 
 logger = logging.getLogger("tinyengine.server")
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20

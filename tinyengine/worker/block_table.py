@@ -1,13 +1,13 @@
 """HostBlockTable: every live request's block ids, kept in one persistent
 numpy table on the host and updated only where they changed.
 
-Owns the host side of the step's block table. A decode step at batch 256 used
-to rebuild a [rows, width] table from 256 Python lists every step (~0.3-0.5
-ms of host time on the H200's host, as much as a tenth of the GPU step); but
-a request's block list only grows by one entry every block_size tokens. So
-each request keeps a row ("slot") of this table, its new entries are copied
-in when its list grew, and a step's table is one fancy-index gather of the
-scheduled requests' rows.
+Owns the host side of the step's block table. Rebuilding a [rows, width]
+table from one Python list per row every step costs host time that grows with
+the batch (a real share of a decode step at large batches); but a request's
+block list only grows by one entry every block_size tokens. So each request
+keeps a row ("slot") of this table, its new entries are copied in when its
+list grew, and a step's table is one fancy-index gather of the scheduled
+requests' rows.
 
 Change detection relies on how the block manager edits `Request.block_ids`:
 entries are only ever appended to the list in place, and freeing (finish,

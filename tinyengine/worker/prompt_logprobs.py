@@ -25,15 +25,14 @@ from typing import Any
 import torch
 
 from tinyengine.scheduling.scheduler import SchedulerOutput
-from tinyengine.worker.sample_output import ranked_logprobs
+from tinyengine.worker.sample_output import PromptLogprobRows, ranked_logprobs
 
 _ROWS_PER_SLICE = 256
 
-# request id -> (index of the first prompt token these rows cover, rows)
-PromptLogprobRows = dict[str, tuple[int, list[list[tuple[int, float, int]]]]]
 
-
-def prompt_logprobs(model: Any, hidden: torch.Tensor, plan: SchedulerOutput) -> PromptLogprobRows:
+def prompt_logprobs(
+    model: Any, ops: Any, hidden: torch.Tensor, plan: SchedulerOutput
+) -> PromptLogprobRows:
     """The rows of this step's prompt positions, for each scheduled request
     with prompt_logprobs; `hidden` holds the step's rows in plan order."""
     out: PromptLogprobRows = {}
@@ -45,16 +44,16 @@ def prompt_logprobs(model: Any, hidden: torch.Tensor, plan: SchedulerOutput) -> 
         if num_top is not None and stop > sched.start:
             rows = hidden[offset : offset + stop - sched.start]
             targets = request.prompt_token_ids[sched.start + 1 : stop + 1]
-            out[request.request_id] = (sched.start + 1, _rows(model, rows, targets, num_top))
+            out[request.request_id] = (sched.start + 1, _rows(model, ops, rows, targets, num_top))
         offset += n
     return out
 
 
-def _rows(model: Any, hidden: torch.Tensor, targets: list[int], num_top: int) -> list:
+def _rows(model: Any, ops: Any, hidden: torch.Tensor, targets: list[int], num_top: int) -> list:
     result = []
     for lo in range(0, len(targets), _ROWS_PER_SLICE):
         h = hidden[lo : lo + _ROWS_PER_SLICE]
-        logits = model.compute_logits(h)
+        logits = model.compute_logits(h, ops)
         target = torch.tensor(targets[lo : lo + len(h)], device=logits.device)
         chosen_lp, rank, *top = ranked_logprobs(logits, target, min(num_top, logits.shape[-1]))
         host = [x.tolist() for x in (target, chosen_lp[:, 0], rank[:, 0], *top)]

@@ -14,8 +14,6 @@ does the startup stages' GPU work only when the startup machine calls it.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +21,7 @@ import numpy as np
 import torch
 
 from tinyengine.config import EngineConfig
-from tinyengine.kernels import get_attention_ops
+from tinyengine.kernels import choose_ops
 from tinyengine.kernels.workspace import Workspace
 from tinyengine.models.context import AttentionMetadata, ForwardContext
 from tinyengine.models.loader import load_model
@@ -40,7 +38,7 @@ from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from tinyengine.worker.penalties import TokenHistory
 from tinyengine.worker.prompt_logprobs import prompt_logprobs
-from tinyengine.worker.sample_output import SamplerOutput, StepLaunch
+from tinyengine.worker.sample_output import StepLaunch
 from tinyengine.worker.sampler import Sampler
 
 # One step's rows: input ids, positions, slots and seq_lens (lists or int
@@ -64,11 +62,10 @@ class ModelRunner:
 
         self.model: torch.nn.Module | None = None
         self.workspace = Workspace(self.device)
+        # Every op the model and the sampler call, chosen once (kernels/opset.py).
         backend = config.resolved_attention_backend(self.device.type)
-        if backend == "triton" and self.device.type == "cpu":
-            _enable_triton_interpreter()
-        self.attention_ops = get_attention_ops(backend)
-        self.sampler = Sampler(self.device, seed=config.seed)
+        self.ops = choose_ops(backend, self.device.type)
+        self.sampler = Sampler(self.device, seed=config.seed, draw=self.ops.sample_draw)
         self.generators: dict[str, torch.Generator] = {}
         self.histories: dict[str, TokenHistory] = {}  # requests with penalties
         self.buffers = InputBuffers.allocate(
@@ -217,7 +214,7 @@ class ModelRunner:
         return self._context(attn)
 
     def _context(self, attn: AttentionMetadata) -> ForwardContext:
-        return ForwardContext(attn, self.kv_caches, self.attention_ops, self.workspace)
+        return ForwardContext(attn, self.kv_caches, self.ops, self.workspace)
 
     @torch.inference_mode()
     def dummy_forward(self, q_lens: list[int], seq_lens: list[int] | None = None) -> torch.Tensor:
@@ -281,10 +278,6 @@ class ModelRunner:
         b, ctx = self.buffers, self.decode_context(size)
         return lambda: self.model(b.input_ids[:size], b.positions[:size], ctx)
 
-    def execute(self, plan: SchedulerOutput) -> tuple[list[int | None], SamplerOutput | None]:
-        """Run the model on the step, sample, and wait: launch(plan).result()."""
-        return self.launch(plan).result()
-
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput) -> StepLaunch:
         """Enqueue the step's forward and sampling on the device and start the
@@ -293,7 +286,8 @@ class ModelRunner:
         hidden, sample_rows = self._forward(plan, prof)
         prompt_rows = None
         if any(s.request.sampling_params.prompt_logprobs is not None for s in plan.scheduled):
-            prompt_rows = prompt_logprobs(self.model, hidden, plan)  # syncs (module docstring)
+            # syncs (see its module docstring)
+            prompt_rows = prompt_logprobs(self.model, self.ops, hidden, plan)
         sampling = [i for i, row in enumerate(sample_rows) if row >= 0]
         if not sampling:
             if prof is not None:
@@ -301,7 +295,7 @@ class ModelRunner:
             return StepLaunch(len(sample_rows), sampling, None, prompt_rows)
         b = self.buffers
         write(b.logits_indices, [sample_rows[i] for i in sampling])
-        logits = self.model.compute_logits(hidden[b.logits_indices[: len(sampling)]])
+        logits = self.model.compute_logits(hidden[b.logits_indices[: len(sampling)]], self.ops)
         if prof is not None:  # the profiled "forward" includes the lm_head
             prof.forward_end()
 
@@ -417,19 +411,6 @@ class ModelRunner:
         self.generators.pop(request_id, None)
         self.histories.pop(request_id, None)
         self.block_table.release(request_id)
-
-
-def _enable_triton_interpreter() -> None:
-    """Triton kernels run on CPU only under its interpreter, which must be
-    switched on before triton is first imported."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    if "triton" in sys.modules:
-        raise ValueError(
-            "attention_backend='triton' on CPU needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before anything imports triton (or use attention_backend='torch')"
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _banned_tokens(request) -> list[int]:

@@ -15,14 +15,13 @@ which L ask for logprobs with at most N top entries each:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # prompt_logprobs imports ranked_logprobs from here
-    from tinyengine.worker.prompt_logprobs import PromptLogprobRows
-
 TokenLogprob = tuple[int, float, int]  # (token_id, logprob, rank); rank 1 = most likely
+# A step's prompt logprobs (worker/prompt_logprobs.py), by request id: the index
+# of the first prompt token the rows cover, and one row per prompt token.
+PromptLogprobRows = dict[str, tuple[int, list[list[TokenLogprob]]]]
 
 
 @dataclass

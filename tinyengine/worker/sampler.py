@@ -10,14 +10,15 @@ behind an event), so the engine can schedule and launch the next step before
 `PendingSample.result()` waits for it; the sampled ids also stay on the device
 (`PendingSample.token_ids`) for the next step's inputs.
 
-Two implementations of the draw, chosen per sampler (`fused`; default: on
-CUDA, unless TINYENGINE_FUSED_SAMPLER=0):
-  * CPU (torch): logits.float(), ban, argmax for greedy rows; sampled rows are
+Two implementations of the draw, chosen per sampler by its `draw` op (the
+engine passes its op set's `sample_draw`: the Triton kernel on CUDA, None for
+the torch op set and on CPU):
+  * torch (draw=None): logits.float(), ban, argmax for greedy rows; sampled rows are
     divided by their temperature, filtered, softmaxed and drawn by an
     exponential race whose Exp(1) noise (vocab draws per row and step) comes
     from torch generators. About 8 full passes over a [rows, vocab] fp32 tensor,
     which is fine on CPU, and what the CPU tests pin down token for token.
-  * Fused (CUDA): one Triton kernel (kernels/sampling.py) draws every row at
+  * fused (a draw op): one kernel (kernels/sampling/) draws every row at
     once by the Gumbel-max trick, temperature folded in, greedy rows as plain
     argmax: one pass over the logits in their own dtype. Each row's noise is a
     pure function of one int64 seed per row and step, drawn on the device from
@@ -25,7 +26,7 @@ CUDA, unless TINYENGINE_FUSED_SAMPLER=0):
     min-p): no fp32 copy of the logits at all (banned tokens are set to -inf on
     a copy in the logits' dtype; logprobs convert only the rows that ask).
     Filter path, when some sampled row filters: cutoffs are computed in fp32 as
-    on CPU, filtered tokens become -inf, and the same kernel draws with the same
+    on the torch path, filtered tokens become -inf, and the same kernel draws with the same
     seeds. A row that does not filter sees exactly the same kernel inputs on
     both paths, so its token does not depend on which path its batch took.
 
@@ -37,7 +38,7 @@ Must never:
   * draw a seeded request's noise from anything but that request's generator,
     or draw an amount that depends on the batch. A seeded request must produce
     the same tokens whatever else shares its batch and whatever its row index
-    (CPU: exactly `vocab` Exp(1) draws per sampled step; fused: exactly one
+    (torch: exactly `vocab` Exp(1) draws per sampled step; fused: exactly one
     int64 seed per sampled step, the kernel's noise being a function of it).
     Greedy steps draw nothing.
 
@@ -48,7 +49,7 @@ before banning, temperature and filters (vLLM's default "raw_logprobs").
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable
 
 import torch
 
@@ -78,7 +79,10 @@ class Sampler:
     """Chooses next tokens for a batch of rows, each with its own SamplingParams."""
 
     def __init__(
-        self, device: torch.device | str, seed: int | None = 0, fused: bool | None = None
+        self,
+        device: torch.device | str,
+        seed: int | None = 0,
+        draw: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.device = torch.device(device)
         # Shared noise source for rows whose request has no seed (seed None:
@@ -88,13 +92,9 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
-        # The fused Triton draw (module docstring). None: on CUDA unless
-        # TINYENGINE_FUSED_SAMPLER=0 (the torch draw, e.g. to compare). Tests
-        # force it on CPU, where it runs under the Triton interpreter.
-        if fused is None:
-            switch = os.environ.get("TINYENGINE_FUSED_SAMPLER", "1").strip().lower()
-            fused = self.device.type == "cuda" and switch not in ("0", "false", "no", "off")
-        self.fused = fused
+        # The fused path's one-pass draw, with gumbel_argmax's signature
+        # (kernels/sampling/); None: the torch path (module docstring).
+        self.draw = draw
 
     def new_generator(self, seed: int) -> torch.Generator:
         """A per-request generator on the sampler's device (noise is drawn on
@@ -143,7 +143,7 @@ class Sampler:
         raw = logits
         if any(p.adjusts_logits for p in params):
             logits = penalize(logits, params, histories or [None] * num_rows, self._to_device)
-        if self.fused:
+        if self.draw is not None:
             pending = self._sample_fused(raw, logits, params, generators, banned_token_ids)
         else:
             pending = self._sample_torch(raw, logits, params, generators, banned_token_ids)
@@ -161,7 +161,7 @@ class Sampler:
         generators: list[torch.Generator | None],
         banned_token_ids: list[list[int]] | None,
     ) -> PendingSample:
-        """The CPU path (module docstring). `logits`: penalized, `raw`: not."""
+        """The torch path (module docstring). `logits`: penalized, `raw`: not."""
         masked = self._ban(logits.float(), banned_token_ids)  # no-op .float() for fp32
 
         # Greedy rows are decided on the host from params (no sync); argmax is
@@ -234,12 +234,9 @@ class Sampler:
         generators: list[torch.Generator | None],
         banned: list[list[int]] | None,
     ) -> PendingSample:
-        """Every row through kernels/sampling.py (module docstring: fast path
-        and filter path). `logits`: penalized, `raw`: not (for logprobs)."""
-        # Imported here: importing triton at module import would break the
-        # runner's switch to the Triton interpreter on CPU.
-        from tinyengine.kernels.sampling import gumbel_argmax_triton
-
+        """Every row through the draw op (module docstring: fast path and
+        filter path). `logits`: penalized, `raw`: not (for logprobs)."""
+        draw = self.draw
         vocab = logits.shape[-1]
         greedy = [p.temperature < _GREEDY_EPS for p in params]
         live = [p for p, g in zip(params, greedy, strict=True) if not g]
@@ -251,10 +248,10 @@ class Sampler:
                 0.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy, strict=True)
             ]
             inv_t = self._to_device(inv_temp, torch.float32)
-            tokens = gumbel_argmax_triton(self._ban(logits, banned), inv_t, seeds)
+            tokens = draw(self._ban(logits, banned), inv_t, seeds)
             return self._collect(raw, tokens, params)
 
-        # Filter path: the CPU path's cutoffs (on the fp32 logits divided by
+        # Filter path: the torch path's cutoffs (on the fp32 logits divided by
         # the temperature), then the same draw on the raw logits with -inf at
         # every filtered token. Greedy rows get no filter at all (argmax is
         # what they want, and a cutoff never removes the max anyway).
@@ -278,7 +275,7 @@ class Sampler:
         # READY compiles nothing). A row without filters gets a cutoff that
         # masks nothing exactly, so it sees exactly the fast path's input.
         masked = self._ban(logits, banned).masked_fill(scaled < cutoff, float("-inf"))
-        tokens = gumbel_argmax_triton(masked, t[:, _INV_TEMP], seeds)
+        tokens = draw(masked, t[:, _INV_TEMP], seeds)
         return self._collect(raw, tokens, params)
 
     def _seeds(self, generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:

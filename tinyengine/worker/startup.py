@@ -1,12 +1,19 @@
 """The startup state machine: load -> profile -> size KV -> warmup -> capture -> lock.
 
-Owns the ORDER of startup and its report; the work of each stage is done by
-the target it drives (the engine, which owns the runner and the scheduler).
-It must never let a stage run out of order, and never swallow a failure.
+Owns the ORDER of startup, the hand-over of each stage's result to the next,
+and the report. The work of each stage is done by a `StartupStages` object
+(tinyengine/worker/stages.py for the real one; tests pass a fake). The
+machine must never let a stage run out of order, and never swallow a failure.
 
     CREATED -> LOADED -> PROFILED -> KV_READY -> WARM -> CAPTURED -> READY
        load      profile    size_kv    warmup    capture     lock
     any stage that raises -> FAILED (holding the error)
+
+Results flow through the machine, one stage to the next: profile returns a
+`ProfileResult`, which size_kv receives and turns into a number of KV blocks,
+which warmup receives (it sizes its traffic to that cache). After READY the
+machine holds what an engine is built from: the stages' runner and
+`report.num_kv_blocks`.
 
 Why this order (see docs/startup.md): a CUDA graph bakes in the addresses of
 every buffer it touches, the shared workspace arena included. Profiling sizes
@@ -21,8 +28,12 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
+
+from tinyengine.config import EngineConfig
+from tinyengine.worker.stages import StartupStages
 
 
 class Stage(enum.Enum):
@@ -52,19 +63,29 @@ TRANSITIONS: dict[str, tuple[Stage, Stage]] = {
 _NEEDS = {after: name for name, (_, after) in TRANSITIONS.items()}
 
 
-class StartupTarget(Protocol):
-    """What the machine drives. Each method does one stage's work."""
+class Profiled(Protocol):
+    """What profile hands to size_kv (worker/stages.py's ProfileResult)."""
 
+    @property
+    def peak_bytes(self) -> int: ...
+
+
+class Stages(Protocol):
+    """What the machine drives: one method per stage, plus the probes it reads
+    around each stage for the report."""
+
+    capture_skip_reason: str  # why capture() returned None
+
+    def load(self) -> None: ...
+    def profile(self) -> Profiled: ...
+    def size_kv(self, profile: Any) -> int: ...  # profile's result -> usable KV blocks
+    def warmup(self, num_kv_blocks: int) -> None: ...
+    def capture(self) -> list[int] | None: ...  # captured sizes; None = skipped
+    def lock(self) -> None: ...
+    def set_stage(self, name: str) -> None: ...  # tells the workspace who is growing it
     def workspace_bytes(self) -> int: ...
     def workspace_growths(self) -> int: ...
     def memory_in_use(self) -> int: ...
-    def stage_load(self) -> None: ...
-    def stage_profile(self) -> int: ...  # returns the profiled peak (bytes)
-    def stage_size_kv(self, profiled_peak: int) -> int: ...  # returns num KV blocks
-    def stage_warmup(self) -> None: ...
-    def stage_capture(self) -> list[int] | None: ...  # captured sizes; None = skipped
-    def stage_lock(self) -> None: ...
-    def set_stage(self, name: str) -> None: ...  # tells the workspace who is growing it
 
 
 @dataclass
@@ -91,8 +112,6 @@ class StartupReport:
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
 
     def table(self) -> str:
@@ -119,39 +138,47 @@ class StartupReport:
 
 
 class StartupMachine:
-    def __init__(self, target: StartupTarget) -> None:
-        self.target = target
+    def __init__(self, stages: Stages) -> None:
+        self.stages = stages
         self.state = Stage.CREATED
         self.error: BaseException | None = None
         self.report = StartupReport()
         self.running: str | None = None  # the transition in progress ("profile", ...), if any
+        self.profile_result: Profiled | None = None  # profile's result, for size_kv
+
+    @classmethod
+    def for_config(cls, config: EngineConfig) -> StartupMachine:
+        """A machine at CREATED over the real stages for `config` (resolved in
+        place for its model and device; nothing is loaded yet)."""
+        return cls(StartupStages.for_config(config))
 
     # --- the transitions, one method each ---
 
     def load(self) -> None:
-        self._run("load", self.target.stage_load)
+        self._run("load", self.stages.load)
 
     def profile(self) -> None:
         def work() -> str:
-            self.report.profiled_peak_bytes = self.target.stage_profile()
+            self.profile_result = self.stages.profile()
+            self.report.profiled_peak_bytes = self.profile_result.peak_bytes
             return f"peak {self.report.profiled_peak_bytes / 2**20:.1f} MiB"
 
         self._run("profile", work)
 
     def size_kv(self) -> None:
         def work() -> str:
-            self.report.num_kv_blocks = self.target.stage_size_kv(self.report.profiled_peak_bytes)
-            self.report.workspace_bytes_at_kv_sizing = self.target.workspace_bytes()
+            self.report.num_kv_blocks = self.stages.size_kv(self.profile_result)
+            self.report.workspace_bytes_at_kv_sizing = self.stages.workspace_bytes()
             return f"{self.report.num_kv_blocks} blocks"
 
         self._run("size_kv", work)
 
     def warmup(self) -> None:
-        self._run("warmup", self.target.stage_warmup)
+        self._run("warmup", lambda: self.stages.warmup(self.report.num_kv_blocks))
 
     def capture(self) -> None:
         def work() -> str | None:
-            sizes = self.target.stage_capture()
+            sizes = self.stages.capture()
             if sizes is None:
                 return None
             self.report.captured_sizes = list(sizes)
@@ -161,8 +188,8 @@ class StartupMachine:
 
     def lock(self) -> None:
         def work() -> str:
-            self.target.stage_lock()
-            growth = self.target.workspace_bytes() - self.report.workspace_bytes_at_kv_sizing
+            self.stages.lock()
+            growth = self.stages.workspace_bytes() - self.report.workspace_bytes_at_kv_sizing
             self.report.workspace_growth_after_kv_sizing = growth
             return "workspace locked"
 
@@ -179,7 +206,7 @@ class StartupMachine:
 
     # --- machinery ---
 
-    def _run(self, name: str, work) -> None:
+    def _run(self, name: str, work: Callable[[], str | None]) -> None:
         needed, reached = TRANSITIONS[name]
         if self.state == Stage.FAILED:
             raise StartupOrderError(
@@ -191,10 +218,10 @@ class StartupMachine:
                 f"{name}() needs stage {needed.name} ({how}), but the machine is "
                 f"at {self.state.name}"
             )
-        target = self.target
-        target.set_stage(name)
-        growths_before = target.workspace_growths()
-        memory_before = target.memory_in_use()
+        stages = self.stages
+        stages.set_stage(name)
+        growths_before = stages.workspace_growths()
+        memory_before = stages.memory_in_use()
         start = time.perf_counter()
         self.running = name
         try:
@@ -213,13 +240,13 @@ class StartupMachine:
                 name=name,
                 seconds=time.perf_counter() - start,
                 memory_before=memory_before,
-                memory_after=target.memory_in_use(),
-                workspace_bytes=target.workspace_bytes(),
-                workspace_growths=target.workspace_growths() - growths_before,
+                memory_after=stages.memory_in_use(),
+                workspace_bytes=stages.workspace_bytes(),
+                workspace_growths=stages.workspace_growths() - growths_before,
                 skipped=skipped,
-                note=(getattr(target, "capture_skip_reason", "") if skipped else result or ""),
+                note=stages.capture_skip_reason if skipped else result or "",
             )
         )
         self.state = reached
         self.report.state = reached.value
-        target.set_stage("serving" if reached == Stage.READY else f"after_{name}")
+        stages.set_stage("serving" if reached == Stage.READY else f"after_{name}")

@@ -1,0 +1,1 @@
+"""SiLU-and-mul: reference.py (torch) and triton.py (kernel)."""

@@ -1,0 +1,83 @@
+"""Tile choice for kernels/attention/triton.py: the prefill/mixed kernel's tiles
+(`prefill_config`), the split-KV decode kernel's tiles (`decode_config`) and
+split count (`decode_num_splits`). Host ints only (no device reads), so a CUDA
+graph captured for a batch size keeps its configuration for any context
+length. Values set from H200 sweeps (benchmarks/bench_kernels.py --sweep,
+benchmarks/sweep_decode.py; docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import triton
+
+# Decode split heuristic, measured on an H200 (bench_kernels.py --sweep): a
+# batch giving >= 2 (seq, kv_head) programs per SM streams K/V at ~4.1-4.3 TB/s
+# unsplit; below that, splitting up to ~4 programs per SM wins (batch 8 x 32k:
+# 1.1 TB/s unsplit, 3.7 with 4 splits, 4.25 with 8).
+_DECODE_NO_SPLIT_PROGRAMS_PER_SM = 2
+_DECODE_TARGET_PROGRAMS_PER_SM = 4
+_DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in reduce than it saves
+DECODE_MAX_SPLITS = 64
+
+
+def prefill_config(
+    head_dim_k: int, max_query_len: int, group: int, elem_bytes: int = 2
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill/mixed kernel.
+
+    Measured on an H200 (benchmarks/bench_kernels.py --sweep, 8k causal, d128):
+    256 rows x 64 keys with 8 warps (two warpgroups of 128 rows each, whose
+    softmax and MMAs interleave) beat 128-row tiles by ~10%. BLOCK_M shrinks
+    with max_query_len * group so mostly-decode mixed batches don't pay for
+    256-row tiles; 256-wide heads (Dk 192 padded) get small tiles to fit.
+    """
+    rows = max(16, min(256, triton.next_power_of_2(max_query_len * group)))
+    least = triton.next_power_of_2(group)  # a tile holds >= 1 token's heads
+    rows = max(rows, least)
+    if triton.next_power_of_2(head_dim_k) > 128:
+        m, n, warps, stages = min(rows, 64), 32, 4, 2
+    elif rows >= 256:
+        m, n, warps, stages = rows, 64, 8, 2
+    else:
+        m, n, warps, stages = rows, 64, 4, 3
+    if elem_bytes > 2:
+        # fp32 (tests, references): half the rows and keys keep the tiles'
+        # shared memory at or below the bf16 tiles' (which fit); the bf16
+        # tiles in fp32 overflow it at 128-wide heads (256 KB > 227 KB).
+        m, n = max(m // 2, least, 16), max(n // 2, 16)
+    return m, n, warps, stages
+
+
+def decode_config(
+    num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim_k: int
+) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split-KV decode kernel, from
+    host ints only (a captured graph keeps its config for any context length).
+    Chosen by benchmarks/sweep_decode.py on the H200 (d128, K/V TB/s at
+    batch 256 x 128 / 512 / 1024 tokens; docs/benchmarks.md): a program
+    holds only a [max(16, group), BLOCK_N] score tile, so small programs with
+    2 stages keep more of them resident per SM, which is what short contexts
+    (a few tiles a program: latency-bound) need. 2 query heads per KV head
+    (Qwen3-0.6B): 32/1 warp/2 stages 3.41/4.17/4.31 vs 64/4/3 2.55/3.70/3.98.
+    4 (Llama-3-8B, batch 64 x 512 / 4096): 64/2/2 3.64/4.33 vs 3.32/4.17."""
+    group = num_q_heads // num_kv_heads
+    if triton.next_power_of_2(head_dim_k) > 128:
+        return 32, 4, 2
+    if group <= 2:
+        return 32, 1, 2
+    if group <= 8:
+        return 64, 2, 2
+    return 64, 4, 2
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split count S for a decode batch: enough (seq, kv_head, split) programs
+    to fill the GPU when the batch alone does not, never splits shorter than
+    _DECODE_MIN_SPLIT_TOKENS of max_seq_len. Depends only on host ints, so a
+    CUDA graph captured for a batch size stays valid for any seq_lens."""
+    programs = num_seqs * num_kv_heads
+    if programs >= _DECODE_NO_SPLIT_PROGRAMS_PER_SM * num_sms:
+        return 1
+    target = _DECODE_TARGET_PROGRAMS_PER_SM * num_sms
+    most = max(1, max_seq_len // _DECODE_MIN_SPLIT_TOKENS)
+    return max(1, min(triton.cdiv(target, programs), most, DECODE_MAX_SPLITS))

@@ -1,0 +1,58 @@
+"""Tile choice for the skinny GEMM kernel (gemv/triton.py): the default
+configs per row count, per-shape overrides, and `pick_config`, which picks from
+host ints only (shapes and the SM count), so it is safe inside graph capture.
+
+Owns the tuning constants; edit them after benchmarks/bench_gemv.py's sweep.
+Must never import triton's kernels or launch anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import triton
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows (output columns) per program
+    block_k: int  # K elements per loop step
+    num_warps: int
+    num_stages: int  # 1: no software pipelining (FMA: plain register loads)
+    use_dot: bool  # DOT inner loop (any M) vs FMA (M == 1 only)
+    reduce_each_step: bool = False  # FMA only: [BLOCK_N] accumulator, reduced every step
+
+    def __str__(self) -> str:
+        kind = "dot" if self.use_dot else ("fma-r" if self.reduce_each_step else "fma")
+        return f"{kind} BN={self.block_n} BK={self.block_k} w={self.num_warps} s={self.num_stages}"
+
+
+# ---- Tuning constants (edit these after benchmarks/bench_gemv.py's sweep) ----
+# Default for M == 1 (batch-1 decode).
+M1_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+# Default for 2 <= M <= 8 (tl.dot needs BLOCK_N >= 16).
+MN_CONFIG = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4, use_dot=True)
+# Per-shape overrides, keyed (m_bucket, N, K) with m_bucket 1 for M == 1 and 8
+# for 2 <= M <= 8 (those must have use_dot=True); e.g.
+# {(1, 4096, 14336): GemvConfig(4, 1024, 4, 3, False)}. Overrides are used as-is.
+SHAPE_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# Halve BLOCK_N (down to the minimum below) until there are at least this many
+# programs per SM, so small-N shapes still fill the GPU.
+MIN_PROGRAMS_PER_SM = 2
+MIN_BLOCK_N_FMA = 2
+MIN_BLOCK_N_DOT = 16
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """The config for one problem, from host ints only (graph-capture safe)."""
+    cfg = SHAPE_CONFIGS.get((1 if m == 1 else 8, n, k))
+    if cfg is None:
+        cfg = M1_CONFIG if m == 1 else MN_CONFIG
+        min_bn = MIN_BLOCK_N_DOT if cfg.use_dot else MIN_BLOCK_N_FMA
+        bn = cfg.block_n
+        while bn > min_bn and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:
+            bn //= 2
+        if bn != cfg.block_n:
+            cfg = dataclasses.replace(cfg, block_n=bn)
+    return cfg

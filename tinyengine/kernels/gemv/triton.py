@@ -1,0 +1,289 @@
+"""Skinny GEMM (GEMV for M == 1): y = x W^T + b for a handful of rows, the
+decode-time shape of every linear layer. A torch reference and a Triton kernel
+with the same signature (the reference: gemv/reference.py):
+
+    skinny_linear*(x [M, K], weight [N, K], bias [N] | None, out=None) -> [M, N]
+
+At M <= 8 a linear layer is a pure weight stream: 2*N*K bytes of weight against
+~2*M*N*K FLOPs. cuBLAS picks tensor-core GEMM tiles meant for large M and reads
+the weight at ~60% of HBM bandwidth; this kernel gives each program BLOCK_N
+weight rows, walks K in BLOCK_K-wide coalesced chunks (the x chunk is loaded
+once per step for all M rows, M padded to a constexpr power of two), and
+accumulates in fp32. Two inner loops, picked per config:
+
+  - FMA   (M == 1 only): a [BLOCK_N, BLOCK_K] fp32 accumulator of products,
+          reduced across K once at the end (no per-step shuffles); with
+          num_stages >= 2 the weight loads are cp.async-pipelined through
+          shared memory, with 1 they are plain 16-byte register loads.
+  - DOT   (any M <= 8): tl.dot(W tile [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])
+          ("swap AB": the weight is the MMA's A operand, x padded to 16 rows),
+          the loads software-pipelined over num_stages.
+          Under TRITON_INTERPRET=1 the tiles are upcast to fp32 before the dot
+          (the interpreter computes bf16 dots wrongly).
+
+CUDA-graph safe: no host syncs, nothing allocated but the output, the grid
+and the config come from host ints only (shapes and the SM count), and a model
+needs few compiled variants (one per config x dtype; N and K are runtime
+args), all compiled during the engine's warmup of each decode batch size.
+
+`linear(x, weight, bias)` is the Triton op set's linear (its reference is
+F.linear): the kernel when `skinny_linear_ok` holds, F.linear otherwise. The
+kernel also has a fused gate_up + SiLU-and-mul epilogue (constexpr
+FUSE_SILU_MUL), launched by gemv/silu.py. Tiles: gemv/tiles.py;
+`skinny_linear(config=...)` takes an override for benchmarks/bench_gemv.py's
+sweep, `linear` never does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
+from tinyengine.kernels.launch import interpreting, num_sms
+
+MAX_M = 8
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: tests only
+_DISPATCH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _num_sms(device: torch.device) -> int:
+    return num_sms(device, off_gpu=1)  # the interpreter: any grid is fine
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Everything but the device and the switch: shapes, dtypes, layouts."""
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and 1 <= x.shape[0] <= MAX_M
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] > 0
+        and x.dtype in _DISPATCH_DTYPES
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and x.stride(1) == 1
+        and x.device == weight.device
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and (
+            bias is None
+            or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()
+                and bias.shape[0] == weight.shape[0] and bias.device == x.device)
+        )
+    )  # fmt: skip
+
+
+# The dispatcher uses the kernel for one row only. Measured on the H200
+# (benchmarks/bench_gemv.py, Llama-3-8B shapes): at M = 1 it reads the weight
+# at 3.4-3.6 TB/s where cuBLAS reaches 2.5-3.3 (per-token linear time 3.93 ->
+# 3.64 ms); at M = 2..8 the DOT loop lost to cuBLAS (4.1 -> 4.8 ms), so those
+# stay on F.linear until that loop is tuned.
+DISPATCH_MAX_M = 1
+
+
+def skinny_linear_ok(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
+    """Use the Triton kernel? On CUDA, 2-D x with one row
+    (DISPATCH_MAX_M), bf16/fp16, contiguous weight of the same dtype;
+    otherwise the caller uses F.linear."""
+    return (
+        x.is_cuda
+        and weight.is_cuda
+        and x.dim() == 2
+        and x.shape[0] <= DISPATCH_MAX_M
+        and _eligible(x, weight, bias)
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the skinny kernel where it applies."""
+    if skinny_linear_ok(x, weight, bias):
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FUSE_SILU_MUL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid (cdiv(N, BLOCK_N),): program p computes out[:, p*BLOCK_N : +BLOCK_N]
+    over the whole K. Rows past N are wrapped (not masked) so weight loads stay
+    unmasked along N; only the store is masked.
+
+    FUSE_SILU_MUL: the weight is a gate_up matrix [2N, K] (N = I) and the
+    output [M, N] is silu(gate) * up. Grid (cdiv(N, BLOCK_N // 2),): the tile's
+    BLOCK_N weight rows interleave gate row j (tile row 2i) and up row N + j
+    (tile row 2i + 1) for the program's BLOCK_N // 2 output columns j, so the
+    K loop is the plain one, unchanged. Each half is rounded to the output
+    dtype (after the bias, as the plain store does) before the activation,
+    which is computed and rounded exactly as kernels/activation/ does."""
+    pid = tl.program_id(0)
+    if FUSE_SILU_MUL:
+        offs_r = tl.arange(0, BLOCK_N)
+        cols = pid * (BLOCK_N // 2) + offs_r // 2
+        if EVEN_N:
+            rows = cols
+        else:
+            rows = cols % N
+        rows = rows + (offs_r % 2) * N  # odd tile rows: the up half
+        offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # output columns
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        if EVEN_N:
+            rows = offs_n
+        else:
+            rows = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    m_mask = offs_m[:, None] < M
+
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
+            else:
+                k_mask = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+                xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
+            if UPCAST:  # the interpreter computes bf16 dots wrongly; fp32 is exact
+                w = w.to(tl.float32)
+                xk = xk.to(tl.float32)
+            acc = tl.dot(w, tl.trans(xk), acc, input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        res = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        # M == 1 (BLOCK_M == 1): elementwise products into a 2-D accumulator,
+        # one cross-thread reduction at the very end (or, REDUCE_EACH_STEP, a
+        # [BLOCK_N] accumulator: fewer registers, a reduction per step).
+        if REDUCE_EACH_STEP:
+            acc2 = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+        else:
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        x_row = x_ptr + offs_k
+        # The FMA loop is software-pipelined (cp.async into shared memory) only
+        # when asked explicitly: LOOP_STAGES == 1 keeps plain register loads.
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                xk = tl.load(x_row)
+            else:
+                k_mask = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+                xk = tl.load(x_row, mask=k_mask, other=0.0)
+            prod = w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            if REDUCE_EACH_STEP:
+                acc2 += tl.sum(prod, axis=1, keep_dims=True)
+            else:
+                acc2 += prod
+            w_ptrs += BLOCK_K
+            x_row += BLOCK_K
+        res = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+
+    if HAS_BIAS:
+        if FUSE_SILU_MUL:
+            b = tl.load(b_ptr + rows)  # rows are wrapped: always in bounds
+        else:
+            b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)
+        res += b.to(tl.float32)[None, :]
+    if FUSE_SILU_MUL:
+        # gate_up output rounded as the plain kernel stores it, then
+        # silu(gate) * up in fp32 as _silu_and_mul_kernel computes it.
+        res = res.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.reshape(res, (BLOCK_M, BLOCK_N // 2, 2)))
+        res = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_N // 2]
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
+
+
+def check_operands(
+    name: str, shapes: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """What every launch of the skinny kernel needs of x [M, K], weight [N, K]
+    and bias [N]: 2-D operands with equal K, one supported dtype for all three,
+    contiguous last dims (`shapes` names the expected shapes in the message)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name}: need {shapes}; got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"{name}: dtypes {x.dtype}, {weight.dtype} unsupported")
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"{name}: bias dtype {bias.dtype} != {x.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{name}: x and weight need a contiguous last dim")
+    n = weight.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"{name}: bias must be contiguous [{n}]")
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """y = x W^T + b for x [M <= 8, K]; `config` overrides the tuned choice
+    (benchmarks sweep through it)."""
+    check_operands("skinny_linear", "x [M, K], weight [N, K]", x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"skinny_linear: M must be in 1..{MAX_M}, got {m}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"skinny_linear: out must be [{m}, {n}] with a contiguous last dim")
+    if n == 0:
+        return out
+
+    cfg = config if config is not None else pick_config(m, n, k, _num_sms(x.device))
+    if not cfg.use_dot and m != 1:
+        raise ValueError("skinny_linear: the FMA config serves M == 1 only")
+    _launch(x, weight, bias, out, n, cfg, fuse_silu_mul=False)
+    return out
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    n: int,
+    cfg: GemvConfig,
+    fuse_silu_mul: bool,
+) -> None:
+    """One _skinny_gemm_kernel launch over n output columns (checked args)."""
+    m, k = x.shape
+    use_dot = cfg.use_dot
+    block_m = 16 if use_dot else 1  # tl.dot's smallest N
+    block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
+    block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
+    cols = block_n // 2 if fuse_silu_mul else block_n  # output columns per program
+    grid = (triton.cdiv(n, cols),)
+    _skinny_gemm_kernel[grid](
+        x, weight, bias if bias is not None else weight, out,
+        m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=n % cols == 0, EVEN_K=k % block_k == 0,
+        USE_DOT=use_dot, REDUCE_EACH_STEP=cfg.reduce_each_step and not use_dot,
+        LOOP_STAGES=cfg.num_stages, UPCAST=interpreting(),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
+        FUSE_SILU_MUL=fuse_silu_mul,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip

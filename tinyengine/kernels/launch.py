@@ -1,0 +1,46 @@
+"""What every Triton launcher needs, in one place: whether the Triton
+interpreter runs the kernels, the device's SM count, and the matmul precision
+and log2 constant that the attention, MLA and MoE kernels share.
+
+Owns the reading of TRITON_INTERPRET inside the engine (nothing else in
+tinyengine/kernels reads it). Must never import triton itself: the op-set
+chooser imports this module before it decides whether triton may be loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634  # scores live in the log2 domain: exp2 replaces exp
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the interpreter (CPU CI): bf16 tiles
+    must then be upcast (the interpreter's bf16 math is wrong) and no
+    libdevice fast math is available."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=16)
+def num_sms(device: torch.device, *, off_gpu: int) -> int:
+    """The device's SM count; `off_gpu` where there is no GPU (the
+    interpreter). Each launcher picks its own: grid heuristics that should
+    look like the H200's pass 132, those that only split work pass 1 (the
+    interpreter runs programs one by one, so splitting only adds work)."""
+    if device.type != "cuda":
+        return off_gpu
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for tiles of `dtype` (the DOT_PRECISION
+    constexpr of the attention, MLA and MoE kernels). fp32 tiles multiply in
+    3xTF32 (about fp32's accuracy, like torch's fp32 matmul) instead of
+    Triton's default single TF32 pass, whose 10-bit mantissa puts an fp32
+    model's prompt log-probs ~2e-3 off HF's; for bf16/fp16 tiles the setting
+    means nothing ("tf32", the default). The interpreter ignores it (numpy
+    matmul)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,139 @@
+"""The op set: every op a model or the sampler calls, chosen once per engine.
+
+Owns the mapping (backend, device) -> OpSet, and switching the Triton
+interpreter on when Triton kernels are to run on a CPU. A reader finds which
+kernel runs by reading `torch_ops` and `triton_ops` below; models call only
+`ctx.ops.<op>` and never pick an implementation themselves.
+
+Must never import triton at module import time: the torch set, the CPU path
+and the scheduling tests run without it, and the interpreter must be switched
+on before triton is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class OpSet:
+    """One backend's ops. Each field has the signature of its torch reference
+    (the module named in the comment); the Triton set fills the same fields."""
+
+    name: str  # "torch" or "triton"
+    # attention/reference.py
+    write_kv_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    # rope/reference.py: the Llama-family prologue (q/k norms, RoPE, cache write)
+    rope_write_kv: Callable[..., torch.Tensor]
+    # mla/reference.py
+    mla_decode: Callable[..., torch.Tensor]
+    # moe/reference.py
+    fused_moe: Callable[..., torch.Tensor]
+    # norm/reference.py: rms_norm(x, weight, eps, residual=None)
+    rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    # activation/reference.py: silu_and_mul(x [..., 2I]) -> [..., I]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # gemv/reference.py: linear(x, weight, bias=None) and the gate_up
+    # projection fused with the activation, linear_silu_mul(x, weight, bias=None)
+    linear: Callable[..., torch.Tensor]
+    linear_silu_mul: Callable[..., torch.Tensor]
+    # sampling/reference.py's gumbel_argmax signature: the sampler's one-pass
+    # draw. None: the sampler draws with its own torch path (worker/sampler.py).
+    sample_draw: Callable[..., torch.Tensor] | None
+
+
+def torch_ops() -> OpSet:
+    """Torch references only: no Triton module is imported."""
+    from tinyengine.kernels.activation import reference as activation
+    from tinyengine.kernels.attention import reference as attention
+    from tinyengine.kernels.gemv import reference as gemv
+    from tinyengine.kernels.mla import reference as mla
+    from tinyengine.kernels.moe import reference as moe
+    from tinyengine.kernels.norm import reference as norm
+    from tinyengine.kernels.rope import reference as rope
+
+    return OpSet(
+        name="torch",
+        write_kv_cache=attention.write_kv_cache,
+        paged_attention=attention.paged_attention,
+        rope_write_kv=rope.rope_write_kv_torch,
+        mla_decode=mla.mla_decode,
+        fused_moe=moe.fused_moe,
+        rms_norm=norm.rms_norm_torch,
+        silu_and_mul=activation.silu_and_mul,
+        linear=gemv.linear,
+        linear_silu_mul=gemv.linear_silu_mul,
+        sample_draw=None,
+    )
+
+
+def triton_ops(device_type: str) -> OpSet:
+    """The Triton kernels. On a CPU they run under the interpreter, which is
+    there to test the attention, MLA, MoE and prologue kernels; the norm,
+    activation, GEMV and sampler kernels pay off only on a GPU, so off it the
+    set keeps their references (the tokens of a CPU run stay the torch path's)."""
+    enable_triton_interpreter_if_needed(device_type)
+    import tinyengine.kernels.attention.triton as attention
+    import tinyengine.kernels.mla.triton as mla
+    import tinyengine.kernels.moe.triton as moe
+    import tinyengine.kernels.rope.triton as rope
+
+    ref = torch_ops()
+    common = dict(
+        name="triton",
+        write_kv_cache=attention.write_kv_cache,
+        paged_attention=attention.paged_attention,
+        rope_write_kv=rope.rope_write_kv_triton,
+        mla_decode=mla.mla_decode,
+        fused_moe=moe.fused_moe,
+    )
+    if device_type != "cuda":
+        return OpSet(
+            **common, rms_norm=ref.rms_norm, silu_and_mul=ref.silu_and_mul, linear=ref.linear,
+            linear_silu_mul=ref.linear_silu_mul, sample_draw=None,
+        )  # fmt: skip
+    import tinyengine.kernels.activation.triton as activation
+    import tinyengine.kernels.gemv.silu as gemv_silu
+    import tinyengine.kernels.gemv.triton as gemv
+    import tinyengine.kernels.norm.triton as norm
+    import tinyengine.kernels.sampling.triton as sampling
+
+    return OpSet(
+        **common,
+        rms_norm=norm.rms_norm,
+        silu_and_mul=activation.silu_and_mul_op,
+        linear=gemv.linear,
+        linear_silu_mul=gemv_silu.linear_silu_mul,
+        sample_draw=sampling.gumbel_argmax_triton,
+    )
+
+
+def choose_ops(backend: str, device_type: str) -> OpSet:
+    """The op set for EngineConfig's resolved attention_backend on a device
+    type ("cuda" or "cpu")."""
+    if backend == "torch":
+        return torch_ops()
+    if backend == "triton":
+        return triton_ops(device_type)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(BACKENDS)}")
+
+
+def enable_triton_interpreter_if_needed(device_type: str) -> None:
+    """Triton kernels run on a CPU only under its interpreter, which must be
+    switched on before triton is first imported."""
+    if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:
+        raise ValueError(
+            "attention_backend='triton' on CPU needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before anything imports triton (or use attention_backend='torch')"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"

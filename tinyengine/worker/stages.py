@@ -1,0 +1,201 @@
+"""The work of each startup stage, on one ModelRunner: load, profile, size KV,
+warmup, capture, lock (the order is worker/startup.py's).
+
+Owns: resolving an EngineConfig for its model and device and building the
+runner (`StartupStages.for_config`); each stage's work; the worst-case dummy
+batches of the profile run; the arithmetic of the KV budget.
+
+Each stage returns its result and receives what it needs from an earlier stage
+as an argument, handed over by the machine: profile -> `ProfileResult` ->
+size_kv -> number of KV blocks -> warmup. This object keeps no stage's result
+for another, never decides the order, and never reaches into the engine (the
+engine is built from the runner and the KV block count once the machine is
+READY; warmup drives the runner and a scheduler of its own, worker/warmup.py).
+
+Profile must reach the worst case of everything that scales with the batch —
+the activations AND the workspace arena — because the arena is sized here,
+before KV sizing, and locked after capture: a shape that first appears later
+would have to grow it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from tinyengine.config import EngineConfig
+from tinyengine.kernels import jit_monitor
+from tinyengine.models.loader import load_hf_config
+from tinyengine.sampling_params import SamplingParams
+from tinyengine.worker.runner import ModelRunner
+from tinyengine.worker.warmup import run_warmup
+
+
+@dataclass
+class ProfileResult:
+    peak_bytes: int  # activations + scratch of the worst step, above the steady state
+    decode_peak_bytes: int  # the same for the largest decode batch (sizes the graph pool)
+
+
+class StartupStages:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @classmethod
+    def for_config(cls, config: EngineConfig) -> StartupStages:
+        """Resolve `config` in place (device, limits, block size, dtype,
+        max_model_len) and build its runner; nothing is loaded yet."""
+        hf_config = load_hf_config(config.model, config.hf_overrides)
+        device = config.resolved_device()
+        config.resolve_limits(device)
+        config.resolve_block_size(hf_config, device)
+        dtype = config.resolved_dtype(hf_config, device)
+        config.resolve_max_model_len(hf_config)
+        runner = ModelRunner(config, hf_config, device, dtype)
+        if device == "cuda" or runner.ops.name == "triton":
+            jit_monitor.install()  # imports triton: only where Triton kernels can run
+        return cls(runner)
+
+    # --- the stages ---
+
+    def load(self) -> None:
+        self.runner.load_model()
+
+    @torch.inference_mode()
+    def profile(self) -> ProfileResult:
+        """Dummy forwards at the worst shapes, against a KV cache of only the
+        reserved dummy block (every row writes and reads it: the numbers are
+        garbage, the memory and scratch demands are real)."""
+        runner = self.runner
+        cfg, device = runner.config, runner.device
+        runner.allocate_kv_cache(0)
+        max_len = runner.max_model_len
+
+        # 1. The largest prefill step: max_num_batched_tokens tokens in sequences
+        #    no longer than max_model_len (and no more than max_num_seqs of them).
+        mark = _memory_mark(device)
+        num_seqs = min(-(-cfg.max_num_batched_tokens // max_len), cfg.max_num_seqs)
+        q_lens = _split(min(cfg.max_num_batched_tokens, num_seqs * max_len), num_seqs)
+        hidden = runner.dummy_forward(q_lens)
+        ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
+        runner.model.compute_logits(hidden[ends], runner.ops)
+        del hidden
+        peak = _peak_since(device, mark)
+
+        # 2. The largest decode step: max_num_seqs rows, one of them at
+        #    max_model_len context (eager attention scratch scales with the
+        #    longest context), then the sampler with every filter and logprobs.
+        mark = _memory_mark(device)
+        rows = cfg.max_num_seqs
+        hidden = runner.dummy_forward([1] * rows, [max_len] + [1] * (rows - 1))
+        logits = runner.model.compute_logits(hidden, runner.ops)
+        params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logprobs=5)]
+        runner.sampler(logits, params * rows, [None] * rows, [[] for _ in range(rows)])
+        del hidden, logits
+        # 3. Graph-shaped decode batches. Split-KV scratch is not monotonic in the
+        #    batch size (a small batch splits the context more ways), so with the
+        #    Triton kernels every size an eager decode step may have is run, not
+        #    only the captured ones; max_model_len context is the worst for each.
+        sizes = set(runner.graph_sizes())
+        if runner.ops.name == "triton":
+            sizes.update(range(1, cfg.max_num_seqs + 1))
+        for size in sorted(sizes):
+            runner.run_decode_shape(size)
+        decode_peak = _peak_since(device, mark)
+        return ProfileResult(max(peak, decode_peak), decode_peak)
+
+    def size_kv(self, profile: ProfileResult) -> int:
+        """Allocate the KV cache: `num_kv_blocks` from the config, else what
+        the budget holds after the profiled peak. Returns the usable blocks."""
+        num_blocks = self.runner.config.num_kv_blocks or self._blocks_for_budget(profile)
+        self.runner.allocate_kv_cache(num_blocks)
+        return num_blocks
+
+    def warmup(self, num_kv_blocks: int) -> None:
+        run_warmup(self.runner, num_kv_blocks)
+
+    def capture(self) -> list[int] | None:
+        return self.runner.capture()
+
+    def lock(self) -> None:
+        self.runner.workspace.lock()
+
+    # --- the probes the machine reads around each stage ---
+
+    @property
+    def capture_skip_reason(self) -> str:
+        return self.runner.capture_skip_reason
+
+    def set_stage(self, name: str) -> None:
+        self.runner.workspace.stage = name
+
+    def workspace_bytes(self) -> int:
+        return self.runner.workspace.size
+
+    def workspace_growths(self) -> int:
+        return self.runner.workspace.stats.num_growths
+
+    def memory_in_use(self) -> int:
+        if self.runner.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.runner.device)
+        with open("/proc/self/statm") as f:  # resident pages
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    # --- KV budget ---
+
+    def _blocks_for_budget(self, profile: ProfileResult) -> int:
+        """KV blocks = (budget - what is already held - profiled peak - graph
+        pool) / bytes per block; an error when one max_model_len sequence does
+        not fit."""
+        runner = self.runner
+        cfg, device = runner.config, runner.device
+        per_block = runner.kv_bytes_per_block()
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            held_by_torch = torch.cuda.memory_allocated(device)  # weights, buffers, workspace
+            outside_torch = total - free - torch.cuda.memory_reserved(device)  # context, others
+            budget = (
+                int(total * cfg.gpu_memory_utilization)
+                - outside_torch
+                - held_by_torch
+                - profile.peak_bytes
+                - profile.decode_peak_bytes  # graph pool estimate: the largest decode step
+            )
+            gib = total / 2**30
+            where = f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {gib:.1f} GiB"
+        else:
+            budget = int(cfg.cpu_kv_cache_gib * 2**30)
+            where = f"cpu_kv_cache_gib={cfg.cpu_kv_cache_gib}"
+        num_blocks = max(budget // per_block, 0)
+        # No point holding more than every sequence at full length can use.
+        num_blocks = min(num_blocks, cfg.max_num_seqs * runner.max_blocks_per_seq)
+        if num_blocks < runner.max_blocks_per_seq:
+            raise ValueError(
+                f"the KV cache budget ({where}) holds {num_blocks} blocks of {runner.block_size} "
+                f"tokens ({per_block} bytes each) but one max_model_len={runner.max_model_len} "
+                f"sequence needs {runner.max_blocks_per_seq}; lower max_model_len or "
+                "max_num_batched_tokens, or raise the budget"
+            )
+        return num_blocks
+
+
+def _memory_mark(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_since(device: torch.device, mark: int) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - mark
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - mark, 0)
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]

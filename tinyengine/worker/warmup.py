@@ -1,0 +1,111 @@
+"""Warmup: scheduler-realistic batches through a real scheduler and the runner,
+then one eager run of every shape that will be captured.
+
+Owns the choice of warmup workload. Requests go through a Scheduler of its own
+over the KV cache size_kv allocated, and every step through the runner's
+`launch` (inputs, forward, sampler, results to the host), so every Triton
+kernel compiles for every shape class it will meet. Afterwards it leaves no
+trace: the KV cache is zeroed and its scheduler is dropped (the engine builds
+a fresh one, so a warmup block can never serve a prefix-cache hit), and no
+per-request runner state remains. It never touches the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyengine.sampling_params import SamplingParams
+from tinyengine.scheduling.block_manager import BlockManager
+from tinyengine.scheduling.request import Request
+from tinyengine.scheduling.scheduler import Scheduler
+from tinyengine.worker.runner import ModelRunner
+
+DECODE_STEPS = 3
+
+
+def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
+    cfg = runner.config
+    block_manager = BlockManager(num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    scheduler = Scheduler(block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    # As many sequences as a step allows, each with an equal share of the
+    # token budget, then a few decode steps with all of them running — all
+    # fitted to the KV cache we were given (num_kv_blocks may be tiny).
+    capacity = num_kv_blocks * cfg.block_size
+    decode_steps = max(0, min(DECODE_STEPS, capacity - 2))
+    prompt_len = min(
+        cfg.max_num_batched_tokens // cfg.max_num_seqs,
+        runner.max_model_len - decode_steps - 1,
+        capacity - decode_steps - 1,
+    )
+    prompt_len = max(prompt_len, 1)
+    per_seq_blocks = block_manager.blocks_needed(prompt_len + decode_steps + 1)
+    num_seqs = min(cfg.max_num_seqs, num_kv_blocks // per_seq_blocks)
+    gen = torch.Generator().manual_seed(1234)
+    max_tokens = decode_steps + 1  # the first token comes with the prefill
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        SamplingParams(
+            temperature=0.7,
+            top_k=20,
+            top_p=0.9,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            seed=1,
+            logprobs=2,
+        ),
+    ]
+    requests = []
+    for i in range(num_seqs):
+        prompt = torch.randint(0, runner.vocab_size, (prompt_len,), generator=gen).tolist()
+        requests.append(Request(f"warmup-{i}", prompt, kinds[i % 2], max_tokens))
+    max_steps = 10 * (num_seqs * prompt_len // cfg.max_num_batched_tokens + max_tokens + 2)
+    _serve(runner, scheduler, requests, max_steps)
+
+    # Triton picks its prefill tile by the step's longest query, so one
+    # prefill per power-of-two query length compiles every tile class now
+    # rather than on some user's first request after startup.
+    if runner.ops.name == "triton":
+        longest = min(cfg.max_num_batched_tokens, runner.max_model_len - 1)
+        q_len = 2
+        while q_len < 2 * longest:
+            runner.dummy_forward([min(q_len, longest)])
+            q_len *= 2
+        # Kernels that pick tiles by the step's token count (the fused MoE's
+        # size classes) name the counts to run; a class may start beyond
+        # max_model_len, where only multi-sequence steps reach.
+        for tokens in runner.model.warmup_token_counts(cfg.max_num_batched_tokens):
+            seqs = -(-tokens // max(longest, 1))
+            if seqs <= cfg.max_num_seqs:
+                runner.dummy_forward([tokens // seqs + (i < tokens % seqs) for i in range(seqs)])
+
+    # One eager run of every shape that will be captured, through the very
+    # callable the graph will capture.
+    for size in runner.graph_sizes():
+        runner.run_decode_shape(size)
+
+    runner.zero_kv_cache()
+    runner.generators.clear()
+
+
+def _serve(
+    runner: ModelRunner, scheduler: Scheduler, requests: list[Request], max_steps: int
+) -> None:
+    """The engine's step loop without text: schedule, launch, wait, append,
+    stop on length. Anything unfinished after max_steps (should be none) is
+    aborted; every request's runner state is released."""
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        plan = scheduler.schedule()
+        if plan.is_empty:
+            continue
+        token_ids, _ = runner.launch(plan).result()
+        for request in scheduler.update_from_output(plan, token_ids):
+            status = request.check_token_stop()
+            if status is not None:
+                scheduler.finish(request, status)
+    for request in requests:
+        scheduler.abort(request.request_id)
+        runner.free_request(request.request_id)
