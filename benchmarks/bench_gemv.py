@@ -1,9 +1,9 @@
 """Skinny GEMM benchmark: cuBLAS (F.linear) vs the Triton skinny kernel
-(kernels/gemv/triton.py) on the Llama-3-8B decode shapes, M in {1, 2, 4, 8}, plus a
+(tinyengine/kernels/gemv/triton.py) on the Llama-3-8B decode shapes, M in {1, 2, 4, 8}, plus a
 config sweep (M == 1, and a smaller one for M == 8) printing the best config
-per shape and a SHAPE_CONFIGS snippet to paste into kernels/gemv/tiles.py.
+per shape and a SHAPE_CONFIGS snippet to paste into tinyengine/kernels/gemv/tiles.py.
 
-    python benchmarks/bench_gemv.py              # everything (< 90 s on an H200)
+    python benchmarks/bench_gemv.py              # everything (under two minutes)
     python benchmarks/bench_gemv.py --no-sweep   # comparison only
     python benchmarks/bench_gemv.py --dry-run    # list shapes and configs (CPU ok)
 
@@ -38,7 +38,7 @@ SHAPES = [  # (name, N, K): Llama-3-8B, tp=1
 ]
 LAYERS = 32  # per-token linear time = 32 x (qkv + o + gate_up + down) + lm_head
 MS = [1, 2, 4, 8]
-READ_TBS = 4.42  # measured HBM read bandwidth on the H200 (the roofline)
+READ_TBS = 4.42  # HBM read bandwidth of the roofline, as the latency runs measure it
 ROTATE_BYTES = 256 * 2**20
 
 
@@ -54,7 +54,8 @@ def dot(bn: int, bk: int, w: int, s: int) -> GemvConfig:
     return GemvConfig(bn, bk, w, s, use_dot=True)
 
 
-SWEEP_M1 = [  # fma s=1: register loads; s>=2: cp.async pipelined (see kernels/gemv/triton.py)
+# fma s=1: register loads; s>=2: cp.async pipelined (see tinyengine/kernels/gemv/triton.py)
+SWEEP_M1 = [
     fma(2, 1024, 4, 3),
     fma(4, 512, 4, 3),
     fma(4, 1024, 4, 3),
@@ -104,7 +105,7 @@ def tbs(n: int, k: int, us: float) -> float:
 
 def dry_run(num_sms: int) -> None:
     print(f"shapes (N, K): {[(s, n, k) for s, n, k in SHAPES]}; M in {MS}")
-    print(f"default configs with {num_sms} SMs (kernels.gemv.pick_config):")
+    print(f"default configs with {num_sms} SMs (tinyengine.kernels.gemv.tiles.pick_config):")
     for name, n, k in SHAPES:
         for m in MS:
             cfg = pick_config(m, n, k, num_sms)
@@ -207,7 +208,7 @@ def main() -> None:
                     f"  {name:<8} {cfg}: {us:.1f} us ({tbs(n, k, us):.2f} TB/s), default {d:.1f} us"
                 )
         print(f"  per-token linear time with the best configs: {total_best / 1e3:.3f} ms")
-        print(f"  paste into kernels/gemv/triton.py SHAPE_CONFIGS (m_bucket {m}):")
+        print(f"  paste into tinyengine/kernels/gemv/tiles.py SHAPE_CONFIGS (m_bucket {m}):")
         for name, n, k in SHAPES:
             if name in best:
                 c = best[name][1]

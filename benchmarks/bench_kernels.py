@@ -2,7 +2,7 @@
 the current GPU against the ceilings measured in the same run (device copy
 bandwidth, bf16 matmul rate) and against torch on the same problem.
 
-    python benchmarks/bench_kernels.py            # everything (~2-3 min on an H200)
+    python benchmarks/bench_kernels.py            # everything (a few minutes)
     python benchmarks/bench_kernels.py --quick    # one shape per kernel
 
 A script, not a test: it measures and prints, it asserts nothing. Owns no
@@ -13,7 +13,7 @@ output written once): decode attention counts the K/V bytes of the context
 (q and out are ~0.1% of it). Prefill FLOPs are causal: 2 matmuls x 2 FLOP x
 T^2 / 2 x H x D. "vs torch" is the torch time over the Triton time (> 1 means
 Triton is faster): for attention, torch SDPA on the same problem with K/V laid
-out contiguously; for the elementwise ops, the torch reference in kernels/.
+out contiguously; for the elementwise ops, the torch reference in tinyengine/kernels/.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ only a few K/V tiles and the kernel is bound by latency, not bandwidth.
 For each shape prints TB/s (K/V bytes of the context / time, CUDA-graph
 replay) for (BLOCK_N, num_warps, num_stages) configs, the current default's
 figure, and the best. A script: it measures and prints, asserts nothing, and
-never changes a kernel default (edit kernels/attention/triton.py after).
+never changes a kernel default (edit tinyengine/kernels/attention/triton.py after).
 """
 
 from __future__ import annotations

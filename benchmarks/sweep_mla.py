@@ -1,9 +1,9 @@
-"""MLA decode tuning sweep for kernels/mla/triton.py on the GPU (prints figures;
+"""MLA decode tuning sweep for tinyengine/kernels/mla/triton.py on the GPU (prints figures;
 not a test). It times a grid of tile configurations and split counts per
 DeepSeek-V3 decode shape and prints, per shape, the best configuration next to
 mla_config's choice (the heuristic the engine uses) and the previous defaults.
 
-    python benchmarks/sweep_mla.py                     # ~1.5-2.5 min on an H200
+    python benchmarks/sweep_mla.py                     # a few minutes
     python benchmarks/sweep_mla.py --dry-run           # list the grid; runs on CPU
     python benchmarks/sweep_mla.py --json $OUT/mla.json
 
@@ -14,7 +14,7 @@ medians of CUDA-graph replays (triton.testing.do_bench_cudagraph, L2 not
 flushed). TB/s counts the latent cache bytes of the live context once
 (B * ctx * (L + R) * 2); TFLOP/s counts 2*B*H*ctx*(L+R) for the scores plus
 2*B*H*ctx*L for the weighted sum. `err` is the relative Frobenius error
-against the torch reference (kernels/mla/reference.py); anything above 2e-2 is flagged.
+against the torch reference (tinyengine/kernels/mla/reference.py); anything above 2e-2 is flagged.
 
 Two stages, to stay inside the time budget:
   1. every tile configuration at the split count mla_config's cost model
@@ -27,9 +27,9 @@ goes on. Owns no kernel code: it only passes mla_decode's override kwargs.
 
 Reading it: the `best per shape` table is what to set the defaults from:
 _HEADS_PER_PROGRAM / _BLOCK_N / _NUM_STAGES / _warps_for in
-kernels/mla/tiles.py (_NUM_STAGES_TMA: which head blocks load pages through TMA)
+tinyengine/kernels/mla/tiles.py (_NUM_STAGES_TMA: which head blocks load pages through TMA)
 from the tile that wins (or is within a few % on) the H=128 shapes, and the
-split cost model's constants in kernels/mla/tiles.py (_ASSUMED_TFLOPS,
+split cost model's constants in tinyengine/kernels/mla/tiles.py (_ASSUMED_TFLOPS,
 _RESIDENT_PROGRAMS, ...) from whether `heur S` matches `best S`.
 """
 
@@ -74,7 +74,7 @@ class Tile:
     lazy: bool  # LAZY_RESCALE
     block_size: int  # the cache's block size the tile runs on
     old_splits: bool = False  # split count from the previous heuristic
-    gluon: bool = False  # the Hopper Gluon split kernel (kernels/mla/gluon.py)
+    gluon: bool = False  # the Hopper Gluon split kernel (tinyengine/kernels/mla/gluon.py)
 
 
 # Naming: g = the Gluon kernel (TMA pages; its only shape), t = the Triton

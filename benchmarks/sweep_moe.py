@@ -1,6 +1,6 @@
 """Fused-MoE tile sweep at DeepSeek-V3 dims on one GPU (prints figures; not a test).
 
-    python benchmarks/sweep_moe.py             # the GPU run, ~2 min on an H200
+    python benchmarks/sweep_moe.py             # the GPU run, a few minutes
     python benchmarks/sweep_moe.py --dry-run   # anywhere: list what would run
 
 CPU self-checks (the Triton interpreter, tiny dims E=8 K=2 D=64 I=32 or so):
@@ -14,7 +14,7 @@ CPU self-checks (the Triton interpreter, tiny dims E=8 K=2 D=64 I=32 or so):
 count T (default 4096, 8192, 512, 1, 16, 64: the target first, so a budget
 cut drops the least important ones) it prints
 
-  - the full fused_moe with the heuristic tiles (kernels/triton_moe.moe_config),
+  - the full fused_moe with the heuristic tiles (tinyengine/kernels/moe/tiles.py: moe_config),
     checked against the torch reference: us, TB/s of touched expert weights,
     TFLOP/s (2*T*K*3*I*D);
   - the grouping (sort + histogram) and the per-token reduction alone;
@@ -38,7 +38,7 @@ on-disk cache; the measuring process then only loads the binaries).
 Compile/launch failures are caught and printed. A time budget (--budget)
 skips what is left once it is spent; the summary still prints.
 
-Uses kernels/moe/triton.py's private launch helpers (_scratch, _group,
+Uses tinyengine/kernels/moe/triton.py's private launch helpers (_scratch, _group,
 _gate_up_launch, _down_launch, _sum_topk) to time one GEMM at a time.
 """
 
@@ -110,7 +110,7 @@ def candidates(cls: int, gemm: str, heur: dict[str, int]) -> tuple[list[dict], l
             shapes = [(64, 128, 4), (64, 256, 4), (64, 256, 8), (128, 128, 4), (128, 128, 8),
                       (128, 256, 8)]  # fmt: skip
         tiles = [_tile(bm, bn, 64, w, st, 8) for bm, bn, w in shapes for st in (3, 4)]
-        # TMA (kernels/moe/triton.py's "tma"): 1 = weight tiles through tensor
+        # TMA (tinyengine/kernels/moe/triton.py's "tma"): 1 = weight tiles through tensor
         # descriptors, 2 = activations too (gate_up then gathers x into sorted
         # order first; its timing includes that gather). Around the pointer
         # path's best 128-row tiles.

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the H200)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -1,9 +1,10 @@
 """LLMEngine: the engine loop (the offline `LLM` API wraps it, in llm.py).
 
-Owns the life of a request from its arrival to its final output: validation
-and tokenization on the way in; per step, scheduler -> runner -> scheduler
-update; then detokenization, stop checks and output building on the way out.
-One step reads top-down in `LLMEngine.step`.
+Owns the life of a request from its arrival to its final output: a Request
+and its state on the way in (tokenization and the checks against the
+engine's limits are input_processor.py's); per step, scheduler -> runner ->
+scheduler update; then detokenization, stop checks and output building on the
+way out. One step reads top-down in `LLMEngine.step`.
 
 It is built from a startup machine run to READY (tinyengine/worker/startup.py):
 the runner comes from the machine's stages and the scheduler is made over the
@@ -14,37 +15,30 @@ startup stage's work itself.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from tinyengine.config import EngineConfig
 from tinyengine.detokenizer import IncrementalDetokenizer, find_stop_string
+from tinyengine.input_processor import (
+    PromptType,
+    RequestLimits,
+    load_engine_tokenizer,
+    tokenize_prompt,
+)
 from tinyengine.kernels import jit_monitor
 from tinyengine.outputs import CompletionOutput, Logprob, RequestOutput
 from tinyengine.sampling_params import RequestOutputKind, SamplingParams
 from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request, RequestStatus
 from tinyengine.scheduling.scheduler import Scheduler
-from tinyengine.tokenizer import Tokenizer, load_tokenizer_if_present
+from tinyengine.tokenizer import Tokenizer
 from tinyengine.worker.startup import StartupMachine
 from tinyengine.worker.step_profile import StepProfiler
 
 logger = logging.getLogger("tinyengine.engine")
-
-PromptType = str | dict[str, Any]
-
-
-class InvalidRequestError(ValueError):
-    """add_request's refusal of one request; `param` names the request field
-    at fault (the server's 400 reports it)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -83,19 +77,8 @@ class LLMEngine:
         self.hf_config = runner.hf_config
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         # Before the stages run: a wrong tokenizer path fails before the weights load.
-        if config.tokenizer is not None:  # asked for: it must be there (vLLM fails too)
-            self.tokenizer: Tokenizer | None = load_tokenizer_if_present(config.tokenizer)
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"EngineConfig.tokenizer={config.tokenizer!r}: no tokenizer files there"
-                )
-        else:
-            self.tokenizer = load_tokenizer_if_present(config.model)
-        self.eos_token_ids = frozenset(
-            self.tokenizer.eos_token_ids
-            if self.tokenizer is not None
-            else _eos_token_ids_from_config(config.model, self.hf_config)
-        )
+        self.tokenizer: Tokenizer | None
+        self.tokenizer, self.eos_token_ids = load_engine_tokenizer(config, self.hf_config)
 
         if not startup.ready:
             startup.run_all()
@@ -119,6 +102,9 @@ class LLMEngine:
                 "use at most %d tokens (raise num_kv_blocks / gpu_memory_utilization, or lower "
                 "max_model_len)", cache_tokens, self.max_model_len, cache_tokens,
             )  # fmt: skip
+        self._limits = RequestLimits(
+            self.max_model_len, runner.vocab_size, cache_tokens, self.tokenizer is not None
+        )
         self.states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         # Asynchronous scheduling: the launched step whose tokens the next
@@ -141,7 +127,8 @@ class LLMEngine:
     ) -> str:
         """Queue one request. A max_tokens that overshoots max_model_len is cut
         to the room left (as vLLM's offline LLM does), or, with
-        strict_max_tokens, refused (the OpenAI server's rule, as vLLM's)."""
+        strict_max_tokens, refused (the OpenAI server's rule, as vLLM's):
+        RequestLimits.max_tokens (input_processor.py) decides."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -149,45 +136,8 @@ class LLMEngine:
                 "submit params.fan_out() (LLM.generate and the server do)"
             )
         request_id = request_id if request_id is not None else str(next(self._ids))
-        text, token_ids = self._tokenize(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                f"{self.max_model_len}; it must leave room for at least one output token",
-                "prompt",
-            )
-        bad = [t for t in token_ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {self.runner.vocab_size})",
-                "prompt",
-            )
-        outside = [t for t in params.logit_bias or {} if t >= self.runner.vocab_size]
-        if outside:
-            raise InvalidRequestError(
-                f"logit_bias token ids {outside[:5]} are outside the vocabulary "
-                f"[0, {self.runner.vocab_size})",
-                "logit_bias",
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model folder has none")
-        room = self.max_model_len - len(token_ids)
-        if strict_max_tokens and params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "
-                f"length is {self.max_model_len} tokens and your request has {len(token_ids)} "
-                f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(token_ids)})",
-                "max_tokens",
-            )
-        if params.max_tokens is None:
-            # "Up to the context": what the KV cache can hold bounds it too,
-            # when the cache is smaller than max_model_len (if even the prompt
-            # does not fit, the scheduler's check below says so).
-            cache_room = self.scheduler.block_manager.num_blocks * self.config.block_size
-            max_tokens = max(1, min(room, cache_room - len(token_ids)))
-        else:
-            max_tokens = min(params.max_tokens, room)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        max_tokens = self._limits.max_tokens(token_ids, params, strict_max_tokens)
         request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids)
         self.scheduler.add_request(request)  # validates; raises before we keep any state
         final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
@@ -203,32 +153,6 @@ class LLMEngine:
             state.prompt_logprobs = [None]
         self.states[request_id] = state
         return request_id
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
-                    raise ValueError("prompt_token_ids must be a list of integers")
-                return prompt.get("prompt"), list(ids)
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self._encode(prompt["prompt"])
-        raise ValueError(
-            f"a prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), "
-            f"got {type(prompt).__name__}"
-        )
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(
-                "this model folder has no tokenizer files; pass prompts as "
-                "{'prompt_token_ids': [...]}"
-            )
-        return self.tokenizer.encode(text)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -401,20 +325,3 @@ class LLMEngine:
             "workspace_growths": self.runner.workspace.stats.num_growths,
             "captured_graph_sizes": self.startup.report.captured_sizes,
         }
-
-
-def _eos_token_ids_from_config(model_path: str, hf_config: dict[str, Any]) -> set[int]:
-    """Without tokenizer files, eos comes from config.json / generation_config.json."""
-    ids: set[int] = set()
-    sources = [hf_config]
-    gen_path = os.path.join(model_path, "generation_config.json")
-    if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            sources.append(json.load(f))
-    for source in sources:
-        eos = source.get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(t) for t in eos)
-    return ids

@@ -16,7 +16,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tinyengine.config import EngineConfig
-from tinyengine.engine import LLMEngine, PromptType
+from tinyengine.engine import LLMEngine
+from tinyengine.input_processor import PromptType
 from tinyengine.models_presets import is_preset, resolve_model
 from tinyengine.outputs import RequestOutput
 from tinyengine.sampling_params import RequestOutputKind, SamplingParams

@@ -13,7 +13,8 @@ import pytest
 
 from tests.server.conftest import ServerProcess, start_server
 from tinyengine.bench.__main__ import main as bench_main
-from tinyengine.bench.serve import make_workload, parse_range, percentile
+from tinyengine.bench.common import parse_range, percentile
+from tinyengine.bench.serve import make_workload
 
 NUM_REQUESTS = 12
 METRIC_NAMES = (

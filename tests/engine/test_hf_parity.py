@@ -138,7 +138,7 @@ def test_greedy_matches_hf_with_triton_kernels(llama_and_reference, name):
 
 def test_qwen3_matches_hf_with_triton_kernels(tmp_path):
     """Qwen3 under the Triton kernels: its per-head q/k RMSNorm runs inside the
-    fused RoPE + cache-write kernel (kernels/rope/triton.py). Small
+    fused RoPE + cache-write kernel (tinyengine/kernels/rope/triton.py). Small
     engine limits keep the interpreter's startup short; the 32-token budget
     still chunks the longer prompts and mixes them with decode rows."""
     rng = random.Random(1)

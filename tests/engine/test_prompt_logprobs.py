@@ -91,7 +91,7 @@ def test_prompt_logprobs_on_cuda(model_and_reference):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for out, prompt, ref in zip(outs, PROMPTS, refs, strict=True):
-        # fp32 tiles multiply in 3xTF32 (kernels/launch.py: dot_precision);
-        # with Triton's default single TF32 pass this was 2.3e-3 off HF.
+        # fp32 tiles multiply in 3xTF32 (tinyengine/kernels/launch.py:
+        # dot_precision); Triton's default single TF32 pass is ~2e-3 off HF.
         _check(out, prompt, ref.cuda())
     assert llm.stats()["jit_compiles_after_ready"] == 0

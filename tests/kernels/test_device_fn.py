@@ -1,4 +1,4 @@
-"""kernels/device_fn.py: a helper declared with @device_fn computes what the
+"""tinyengine/kernels/device_fn.py: a helper declared with @device_fn computes what the
 same helper under @triton.jit computes, and under the CPU interpreter it does
 not re-patch triton.language on every call (the kernel launch patches once)."""
 

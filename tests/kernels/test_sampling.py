@@ -1,4 +1,4 @@
-"""Fused sampling (kernels/sampling/): the Triton Gumbel-argmax kernel vs its
+"""Fused sampling (tinyengine/kernels/sampling/): the Triton Gumbel-argmax kernel vs its
 torch reference on the same random numbers, the rules it keeps (ties, -inf,
 greedy rows), the distribution it draws from; and the Sampler's fused path
 (forced on CPU, where Triton runs under the interpreter; the default on CUDA).

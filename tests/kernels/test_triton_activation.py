@@ -1,4 +1,4 @@
-"""Triton SiLU-and-mul vs the torch reference in kernels/activation/."""
+"""Triton SiLU-and-mul vs the torch reference in tinyengine/kernels/activation/."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Triton paged attention vs a naive dense reference written here (and vs
-kernels/attention/reference.py, the torch reference op, when it exists).
+tinyengine/kernels/attention/reference.py, the torch reference op, when it exists).
 
 CPU runs go through the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), which costs ~2 ms per program instance: shapes stay tiny
@@ -290,7 +290,7 @@ def test_op_set_shape() -> None:
     assert ops.write_kv_cache is ta.write_kv_cache
 
 
-# ----------------------------------------------------------------------------- GPU (H200)
+# ----------------------------------------------------------------------------- GPU
 
 
 def _sdpa_reference(b: Batch) -> torch.Tensor:
@@ -413,7 +413,7 @@ def test_gpu_decode_cuda_graph_replay() -> None:
 
 
 def test_int32_offsets_only_when_the_strided_view_fits():
-    """K and V share the rows of one allocation (kv_cache.py), so a K view of
+    """K and V share the rows of one allocation (tinyengine/worker/kv_cache.py), so a K view of
     N elements reaches offsets up to ~2N: the int32 address path must be
     chosen from the largest reachable offset, not from numel()."""
     from tinyengine.kernels.attention.triton import _offsets_fit_32

@@ -1,4 +1,4 @@
-"""Triton skinny GEMM (kernels/gemv/triton.py) vs fp32 math, and the dispatch
+"""Triton skinny GEMM (tinyengine/kernels/gemv/triton.py) vs fp32 math, and the dispatch
 predicate that decides when the model layers use it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fused gate_up GEMV + SiLU-and-mul (kernels/gemv/silu.py, M == 1) vs its torch
+"""Fused gate_up GEMV + SiLU-and-mul (tinyengine/kernels/gemv/silu.py, M == 1) vs its torch
 reference and vs the unfused path (skinny_linear, then the activation), and the
 `linear_silu_mul` dispatcher the MLP calls. On CPU the kernel runs under the
 Triton interpreter (tests/conftest.py), so the CPU shapes stay small."""
@@ -232,7 +232,7 @@ def test_gpu_fused_matches_unfused(inter: int, k: int, bias: bool) -> None:
 @pytest.mark.parametrize("inter,k", GPU_SHAPES)
 def test_gpu_fused_bit_exact(inter: int, k: int) -> None:
     """Same tile and K loop as the plain launch, so the same fp32 sums: equal
-    bits (on the H200, all shapes)."""
+    bits, for every shape."""
     x, w, b = _problem(inter, k, torch.bfloat16, True)
     unfused = silu_and_mul_triton(skinny_linear(x, w, b))
     assert torch.equal(skinny_linear_silu_mul(x, w, b), unfused)

@@ -1,5 +1,5 @@
-"""Triton MLA decode (kernels/mla/triton.py) vs the torch reference
-(kernels/mla/reference.py) and a float64 per-sequence reference written here.
+"""Triton MLA decode (tinyengine/kernels/mla/triton.py) vs the torch reference
+(tinyengine/kernels/mla/reference.py) and a float64 per-sequence reference written here.
 
 CPU runs go through the Triton interpreter (~2 ms per program instance), so
 shapes stay tiny: L=32, R=16, 16-row cache blocks, contexts up to ~70 tokens,
@@ -380,7 +380,7 @@ def test_engine_caches_take_the_tma_path() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [64, 128])
 def test_gpu_gluon_split_kernel(heads: int, dtype: torch.dtype) -> None:
-    # The Hopper Gluon kernel (kernels/mla/gluon.py) at the one shape it
+    # The Hopper Gluon kernel (tinyengine/kernels/mla/gluon.py) at the one shape it
     # serves, on a NaN-poisoned cache: empty rows, one row, a page +- 1, a
     # partial last tile after several whole ones; direct and split; against
     # the fp64 reference and against the Triton kernel.

@@ -1,5 +1,5 @@
 """Triton RMSNorm (plain and fused with the residual add) vs the torch
-reference in kernels/norm/, and that reference vs Hugging Face's formula."""
+reference in tinyengine/kernels/norm/, and that reference vs Hugging Face's formula."""
 
 from __future__ import annotations
 

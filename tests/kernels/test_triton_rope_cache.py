@@ -1,7 +1,8 @@
-"""The fused q/k norm + RoPE + KV-cache write (kernels/rope/triton.py)
-against its torch reference (kernels/rope/reference.py), and the reference against
-the unfused pieces it replaces: HF's rotary (transformers' apply_rotary_pos_emb
-in the activation dtype), kernels.norm's RMSNorm and the plain cache write."""
+"""The fused q/k norm + RoPE + KV-cache write (tinyengine/kernels/rope/triton.py)
+against its torch reference (tinyengine/kernels/rope/reference.py), and the
+reference against the unfused pieces it replaces: HF's rotary (transformers'
+apply_rotary_pos_emb in the activation dtype), the norm reference's RMSNorm
+(tinyengine/kernels/norm/reference.py) and the plain cache write."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Triton rotary embedding vs the torch reference in kernels/rope/rotary.py, both
+"""Triton rotary embedding vs the torch reference in tinyengine/kernels/rope/rotary.py, both
 layouts, partial rotary, strided views; and the reference vs the textbook
 complex-number rotation."""
 

@@ -106,7 +106,7 @@ def test_views_alias_the_arena():
 
 
 def test_views_start_on_absolute_256_byte_boundaries():
-    """kernels/workspace/arena.py promises every view "starts on a 256-byte
+    """tinyengine/kernels/workspace/arena.py promises every view "starts on a 256-byte
     boundary", not only at a 256-aligned offset: on CPU the buffer itself comes
     from an allocator that aligns to 64 bytes only, so this needs the arena to
     align its own base."""

@@ -43,10 +43,10 @@ class PagedHarness:
         self.model = model
         self.ops = ops or torch_ops()
         self.block_size = block_size
-        num_kv_heads, head_dim = model.kv_cache_shape_per_layer()
+        spec = model.kv_cache_spec()
         param = next(model.parameters())
         self.device = param.device  # everything follows the model (CPU or CUDA)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim_k)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=param.dtype, device=self.device),

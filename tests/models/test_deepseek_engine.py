@@ -134,8 +134,9 @@ def test_decode_graphs_use_no_host_lengths(model_and_reference):
 
 def test_triton_attention_backend(model_and_reference):
     """The Triton op set (under the interpreter on CPU: small shapes only)
-    serves the latent cache write and the expanded prefill; MLA decode and MoE
-    use kernels/triton_* when present, else the references."""
+    serves the latent cache write, the expanded prefill, MLA decode
+    (tinyengine/kernels/mla/triton.py) and the fused MoE
+    (tinyengine/kernels/moe/triton.py)."""
     path, tokens, logprobs = model_and_reference
     _, outs = _run(
         path, PROMPTS[2:4], attention_backend="triton", max_num_seqs=2, max_model_len=32,

@@ -38,7 +38,7 @@ def test_deepseek_graphs_equal_eager_equal_hf(tmp_path, variant):
 def test_v3_attention_widths_decode_with_the_gluon_kernel(tmp_path, monkeypatch):
     """bf16 at V3's attention widths (128 heads, latent 512 + rope 64; the
     rest tiny): the engine picks 64-token cache blocks, decode runs the
-    Hopper Gluon MLA kernel (kernels/mla/gluon.py) inside the CUDA graphs,
+    Hopper Gluon MLA kernel (tinyengine/kernels/mla/gluon.py) inside the CUDA graphs,
     nothing compiles after READY, and greedy tokens with graphs equal eager."""
     import tinyengine.kernels.mla.gluon as mla_gluon
     from tinyengine.kernels import jit_monitor

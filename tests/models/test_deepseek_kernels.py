@@ -1,5 +1,6 @@
 """The torch references of DeepSeek's two kernels -- MLA decode over the paged
-latent cache (kernels/mla/reference.py) and the fused MoE (kernels/moe/reference.py) -- against
+latent cache (tinyengine/kernels/mla/reference.py) and the fused MoE
+(tinyengine/kernels/moe/reference.py) -- against
 slow, obvious implementations, on ragged shapes drawn by hypothesis; plus the
 op sets that hand them (or their Triton twins) to the model."""
 

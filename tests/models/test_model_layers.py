@@ -102,7 +102,8 @@ def test_model_api_shapes() -> None:
     model = LlamaForCausalLM(TINY)
     assert model.num_attention_layers == 2
     assert (model.hidden_size, model.vocab_size) == (64, 512)
-    assert model.kv_cache_shape_per_layer() == (2, 16)
+    spec = model.kv_cache_spec()
+    assert (spec.num_kv_heads, spec.head_dim_k, spec.head_dim_v) == (2, 16, 16)
     assert set(LlamaForCausalLM.packed_modules_mapping) == {
         "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
     }  # fmt: skip

@@ -1,4 +1,4 @@
-"""models/loader.py: config + overrides, sharded checkpoints, layer truncation
+"""tinyengine/models/loader.py: config + overrides, sharded checkpoints, layer truncation
 that never reads dropped layers, and the errors a user sees for incomplete,
 mismatched or pickle checkpoints."""
 
@@ -74,8 +74,8 @@ def test_config_missing_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_layer_count_below_one_is_a_clear_error(tmp_path: Path) -> None:
-    # hf_overrides={"num_hidden_layers": 0} used to fail deep in the first
-    # forward ("too many values to unpack"), -1 in a zeros() call.
+    # A bad layer count must fail at config time, naming its source, not deep
+    # in the first forward ("too many values to unpack") or a zeros() call.
     path = make_tiny_hf_model("llama", tmp_path)
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match=r"num_hidden_layers .*hf_overrides"):

@@ -1,5 +1,5 @@
 """The scheduling layer is pure Python bookkeeping: importing it must never
-pull in torch (DESIGN.md: tinyengine/scheduling/ has no torch import)."""
+pull in torch (the layer rule: tinyengine/scheduling/ has no torch import)."""
 
 from __future__ import annotations
 

@@ -130,10 +130,10 @@ def test_model_that_fails_to_load_gives_503_with_reason(broken_model: str):
 
 
 def test_sigterm_ends_inflight_generations_and_exits(tiny_text_model: str):
-    """uvicorn alone waits for every open connection on SIGTERM: a long
-    generation kept the server alive for minutes. The first signal now fails
-    the in-flight requests ("the server is shutting down") and the process
-    exits within seconds."""
+    """uvicorn alone waits for every open connection on SIGTERM, so a long
+    generation would keep the server alive for minutes. The first signal must
+    fail the in-flight requests ("the server is shutting down") and the process
+    must exit within seconds."""
     server = ServerProcess({"TINYENGINE_MODEL": tiny_text_model, "TINYENGINE_ENFORCE_EAGER": "1"})
     try:
         server.wait_for_health(200)

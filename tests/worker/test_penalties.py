@@ -181,7 +181,7 @@ def test_repetition_penalty_matches_hf_greedy(llama_path):
         llm = LLM(llama_path, max_model_len=64, print_startup_report=False, **config)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want, config
-        assert not llm.engine.runner.histories  # freed with their requests
+        assert not llm.engine.runner.request_sampling.histories  # freed with their requests
         if "num_kv_blocks" in config:
             assert llm.stats()["num_preemptions"] > 0
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tinyengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tinyengine.worker.sample_output import SamplerOutput
 from tinyengine.worker.sampler import Sampler
+from tinyengine.worker.sampling_filters import cutoff
 
 
 def sample(
@@ -390,16 +391,13 @@ def test_top_p_one_keeps_tail_despite_rounding() -> None:
     """White-box: the top token's fp32 probability rounds to exactly 1.0 here, so
     the cumulative mass before every other token is >= 1.0; top_p == 1 must still
     keep them (no sampling test can see a 1e-9 token go missing)."""
-    sampler = Sampler("cpu")
     logits = torch.tensor([[0.0, -25.0, -25.0, -30.0], [0.0, 1.0, 2.0, 3.0]])
     params = [SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)]
     table = torch.tensor([[1.0, 4, p.top_p, -math.inf] for p in params])
     assert torch.softmax(logits[0], dim=0)[0].item() == 1.0
-    cutoff = sampler._cutoff(
-        logits, table, max_k=0, need_top_p=True, full_sort=True, need_min_p=False
-    )
-    assert cutoff[0].item() == -30.0  # keeps everything
-    assert cutoff[1].item() == 3.0  # the other row's nucleus is its top token
+    threshold = cutoff(logits, table, max_k=0, need_top_p=True, full_sort=True, need_min_p=False)
+    assert threshold[0].item() == -30.0  # keeps everything
+    assert threshold[1].item() == 3.0  # the other row's nucleus is its top token
 
 
 def test_seeded_rows_sample_the_right_distribution() -> None:

@@ -422,7 +422,7 @@ def test_warmup_leaves_no_trace(llama_path, monkeypatch):
     assert stats["prefix_cache_hit_tokens"] == 0
     assert stats["prefix_cache_query_tokens"] == 0
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert not engine.states and not engine.runner.generators
+    assert not engine.states and not engine.runner.request_sampling.generators
     assert not engine.has_unfinished_requests()
     for k_cache, v_cache in engine.runner.kv_caches:
         assert not k_cache.any() and not v_cache.any(), "the KV cache was not zeroed"

@@ -4,9 +4,9 @@ The roofline (roofline.py) counts the routed experts a decode batch touches.
 Its default assumes each token picks its K experts uniformly at random; a
 real router -- and a random-weight proxy's too, whose hidden states share
 directions after a few random layers -- concentrates on fewer experts, so the
-uniform count overstates the bytes a step must read (on the H200 the
-4-layer deepseek-v3-proxy ran its batch-64 decode step faster than the
-uniform "roofline" allowed).
+uniform count overstates the bytes a step must read (the 4-layer
+deepseek-v3-proxy's batch-64 decode step runs faster than the uniform
+"roofline" allows; docs/benchmarks.md).
 
 So the latency benchmark measures it: one eager prefill of random prompts of
 the benchmark's shape with a forward hook on every MoE router records each

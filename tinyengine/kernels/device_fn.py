@@ -3,12 +3,13 @@ calls), i.e. `triton.jit`, plus a fix for Triton's CPU interpreter.
 
 Why: under TRITON_INTERPRET=1 (CPU CI), every call of a jitted device function
 re-patches triton.language (triton 3.9: `InterpretedFunction.__call__` runs
-`_patch_lang` first), about 2.6 ms on the CI machine, although the kernel's
+`_patch_lang` first), milliseconds a call on a CPU, although the kernel's
 launch has already patched that very module for its whole run (and restores
 it afterwards). Helpers called per tile or per rounding step then dominate:
-the fused RoPE + cache-write kernel spent 79 ms a program, a third of it
-re-patching. Under the interpreter `device_fn` makes the helper call its
-rewritten function directly; compiled (GPU) code is exactly `triton.jit`'s.
+in the fused RoPE + cache-write kernel about a third of a program's time is
+re-patching (docs/benchmarks.md has the figures). Under the interpreter
+`device_fn` makes the helper call its rewritten function directly; compiled
+(GPU) code is exactly `triton.jit`'s.
 
 Only for device functions: a kernel launch (`kernel[grid](...)`) still goes
 through the interpreter's own launch, which does the patching and restoring.

@@ -28,7 +28,7 @@ def interpreting() -> bool:
 def num_sms(device: torch.device, *, off_gpu: int) -> int:
     """The device's SM count; `off_gpu` where there is no GPU (the
     interpreter). Each launcher picks its own: grid heuristics that should
-    look like the H200's pass 132, those that only split work pass 1 (the
+    choose as on a 132-SM GPU (an H200) pass 132, those that only split work pass 1 (the
     interpreter runs programs one by one, so splitting only adds work)."""
     if device.type != "cuda":
         return off_gpu

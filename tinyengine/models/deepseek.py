@@ -212,8 +212,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     _is_v3 = False
     # EngineConfig's block_size default on CUDA with the Triton backend: the
     # MLA decode kernels then load each 64-row tile as one TMA copy of a whole
-    # page (kernels/mla/triton.py; at 128 heads on the H200 2.1x faster than
-    # gathering the rows of 16-token blocks).
+    # page (kernels/mla/triton.py; at 128 heads about 2x faster than gathering
+    # the rows of 16-token blocks, docs/benchmarks.md).
     cuda_block_size = 64
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -254,9 +254,6 @@ class DeepseekV2ForCausalLM(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         """One latent row (kv_lora_rank + qk_rope_head_dim) per token and layer."""
         return KVCacheSpec(self.num_attention_layers, 1, self.args.mla.latent_width, 0)
-
-    def kv_cache_shape_per_layer(self) -> tuple[int, int]:
-        return 1, self.args.mla.latent_width
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

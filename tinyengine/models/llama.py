@@ -271,10 +271,6 @@ class LlamaForCausalLM(nn.Module):
     def tie_word_embeddings(self) -> bool:
         return self.args.tie_word_embeddings
 
-    def kv_cache_shape_per_layer(self) -> tuple[int, int]:
-        """(num_kv_heads, head_dim) of each layer's k_cache / v_cache block rows."""
-        return self.args.num_kv_heads, self.args.head_dim
-
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.args
         return KVCacheSpec(self.num_attention_layers, a.num_kv_heads, a.head_dim, a.head_dim)

@@ -9,6 +9,8 @@ protocol.py       request models, their validation, error bodies (OpenAI's wire 
 engine_client.py  EngineClient: the only view of the engine that handlers get
 async_engine.py   AsyncLLMEngine: the engine thread behind EngineClient, the one
                   holder of the LLMEngine
+request_tracker.py
+                  the engine thread's books: request -> stream, timing, outbox
 metrics.py        the Prometheus counters and histograms behind /metrics
 settings.py       ServerSettings from environment variables or the CLI
 cli.py            `python -m tinyengine serve`: its flags and the uvicorn run

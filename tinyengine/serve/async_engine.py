@@ -16,10 +16,11 @@ HTTP requests simply become one batch in the scheduler.
     handler --submit()--> command queue --(between steps)--> engine.add_request
     engine.step() --outputs--> call_soon_threadsafe --> RequestStream --> handler
 
-Owns: the engine thread, request bookkeeping (which engine request belongs to
-which stream), per-request timing for metrics, and failure isolation: a step
-that raises fails the requests it was running (they get an error, their KV
-blocks are freed) and the loop goes on.
+Owns: the engine thread and failure isolation: a step that raises fails the
+requests it was running (they get an error, their KV blocks are freed) and
+the loop goes on. The books it keeps on that thread (which engine request
+belongs to which stream, per-request timing for metrics, the outbox) are a
+RequestTracker's (request_tracker.py).
 
 Must never: let any thread but its own touch the LLMEngine (it is not
 thread-safe), block the event loop, or leave a request in the engine after its
@@ -41,9 +42,7 @@ from typing import Any
 from tinyengine import models_presets
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.serve.engine_client import (
-    ACCEPTED,
     EngineNotReadyError,
-    Failure,
     Health,
     ModelInfo,
     PromptType,
@@ -52,6 +51,7 @@ from tinyengine.serve.engine_client import (
     RequestStream,
 )
 from tinyengine.serve.metrics import ServerMetrics
+from tinyengine.serve.request_tracker import RequestTracker
 from tinyengine.tokenizer import Tokenizer
 
 logger = logging.getLogger("tinyengine.server")
@@ -74,18 +74,6 @@ class _Abort:
 
 
 _SHUTDOWN = object()
-
-
-@dataclass
-class _Live:
-    """Engine-thread bookkeeping for one engine request."""
-
-    stream: RequestStream
-    index: int
-    arrival: float
-    first_token: float | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
 
 
 class AsyncLLMEngine:
@@ -117,8 +105,7 @@ class AsyncLLMEngine:
         self._startup: Any = None  # the StartupMachine, from before the engine exists
         self._engine: Any = None  # the LLMEngine, once its startup reached READY
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}
-        self._outbox: list[tuple[RequestStream, Any]] = []
+        self._tracker = RequestTracker(self.metrics)  # the engine thread's
         self._stats: dict[str, Any] | None = None  # published by the engine thread
         self._error: str | None = None
         self._prepare_seconds: float | None = None
@@ -245,9 +232,9 @@ class AsyncLLMEngine:
             if engine.has_unfinished_requests():
                 self._step()
             self._stats = engine.stats()
-            self._flush()
+            self._tracker.flush(self._loop)
         self._fail_all(RequestFailedError("the server is shutting down"))
-        self._flush()
+        self._tracker.flush(self._loop)
 
     def _start_engine(self) -> bool:
         from tinyengine.config import EngineConfig
@@ -302,11 +289,11 @@ class AsyncLLMEngine:
                 engine.add_request(prompt, params, request_id, strict_max_tokens=True)
                 added.append(request_id)
                 num_prompt = len(engine.states[request_id].request.prompt_token_ids)
-                self._live[request_id] = _Live(stream, index, add.arrival, None, num_prompt)
+                self._tracker.track(request_id, stream, index, add.arrival, num_prompt)
         except Exception as exc:
             for request_id in added:
                 engine.abort_request(request_id)
-                del self._live[request_id]
+                self._tracker.untrack(request_id)
             error = (
                 RequestRejectedError(str(exc), getattr(exc, "param", None))
                 if isinstance(exc, ValueError)
@@ -314,18 +301,16 @@ class AsyncLLMEngine:
             )
             if not isinstance(exc, ValueError):
                 logger.exception("add_request failed")
-            self._outbox.append((stream, Failure(error)))
+            self._tracker.rejected(stream, error)
             return
-        self._outbox.append((stream, ACCEPTED))
+        self._tracker.accepted(stream)
 
     def _abort(self, request_ids: list[str]) -> None:
         now = time.monotonic()
         for request_id in request_ids:
-            live = self._live.pop(request_id, None)
-            if live is None:
-                continue  # finished (or failed) before the abort arrived
-            self._engine.abort_request(request_id)
-            self._record_finish(live, "abort", now)
+            # Not tracked: finished (or failed) before the abort arrived.
+            if self._tracker.finish(request_id, "abort", now):
+                self._engine.abort_request(request_id)
 
     def _step(self) -> None:
         try:
@@ -336,17 +321,7 @@ class AsyncLLMEngine:
             return
         now = time.monotonic()
         for output in outputs:
-            live = self._live.get(output.request_id)
-            if live is None:
-                continue
-            if live.first_token is None:
-                live.first_token = now
-                self.metrics.record_first_token(now - live.arrival)
-            live.num_output_tokens = len(output.outputs[0].token_ids)
-            self._outbox.append((live.stream, (live.index, output)))
-            if output.finished:
-                del self._live[output.request_id]
-                self._record_finish(live, output.outputs[0].finish_reason or "stop", now)
+            self._tracker.output(output, now)
 
     def _fail_step(self, exc: Exception) -> None:
         """Fail what the broken step ran. The scheduler put every request it
@@ -358,44 +333,18 @@ class AsyncLLMEngine:
         victims = {r.request_id for r in scheduler.running} or set(scheduler.requests)
         # A step that broke after finishing some requests leaves live entries
         # the scheduler no longer knows: they would wait forever.
-        victims |= {rid for rid in self._live if rid not in scheduler.requests}
+        victims |= {rid for rid in self._tracker.request_ids() if rid not in scheduler.requests}
         error = RequestFailedError(f"the engine failed while running this request: {exc!r}")
-        streams = {self._live[rid].stream for rid in victims if rid in self._live}
+        streams = {s for rid in victims if (s := self._tracker.stream_of(rid)) is not None}
         for stream in streams:
             self._fail_stream(stream, error)
         for request_id in victims:  # requests without a stream (none expected)
             self._engine.abort_request(request_id)
 
     def _fail_stream(self, stream: RequestStream, error: Exception) -> None:
-        now = time.monotonic()
-        for request_id in stream.request_ids:
-            live = self._live.pop(request_id, None)
-            if live is not None:
-                self._engine.abort_request(request_id)
-                self._record_finish(live, "error", now)
-        self._outbox.append((stream, Failure(error)))
+        for request_id in self._tracker.fail(stream, error, time.monotonic()):
+            self._engine.abort_request(request_id)
 
     def _fail_all(self, error: Exception) -> None:
-        for stream in {live.stream for live in self._live.values()}:
+        for stream in self._tracker.streams():
             self._fail_stream(stream, error)
-
-    def _record_finish(self, live: _Live, status: str, now: float) -> None:
-        decode = now - live.first_token if live.first_token is not None else None
-        self.metrics.record_finished(
-            status, live.num_prompt_tokens, live.num_output_tokens, now - live.arrival, decode
-        )
-
-    def _flush(self) -> None:
-        """Hand this iteration's events to the event loop in one call."""
-        if not self._outbox or self._loop is None:
-            return
-        batch, self._outbox = self._outbox, []
-        try:
-            self._loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:  # the event loop is closed: the server is gone
-            pass
-
-
-def _deliver(batch: list[tuple[RequestStream, Any]]) -> None:
-    for stream, event in batch:
-        stream.put(event)

@@ -4,11 +4,11 @@ list of tensor specs into a Hugging Face folder of seeded random weights.
 Owns the tensor spec, the shard plan, seeded generation (on the CPU or on a
 CUDA device, which the multi-GB presets need), the shard-by-shard writer (sharded
 safetensors + model.safetensors.index.json, never holding more than one shard
-in host memory), copying a packaged tokenizer into the folder, the cached,
-atomically published build (fingerprint, completion marker, rename) and the
-shared command line. The model families live beside it: `make_proxy.py`
-(DeepSeek-V2/V3) and `make_dense.py` (Llama, Qwen3) only plan tensors and
-name presets and tokenizers.
+in host memory), copying a packaged tokenizer into the folder, and the
+shared command line. The cached, atomically published build (fingerprint,
+completion marker, rename) is build_cache.py's. The model families live
+beside it: `make_proxy.py` (DeepSeek-V2/V3) and `make_dense.py` (Llama,
+Qwen3) only plan tensors and name presets and tokenizers.
 
 Must never: import transformers or the engine's models (a checkpoint is just
 files), download anything, or leave a half-written folder where a finished one
@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
@@ -46,9 +44,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tinyengine.tools.smollm2 import default_cache_dir
-
-MARKER_NAME = ".tinyengine-complete.json"
 DEFAULT_SHARD_SIZE = 2 * 2**30  # bytes per safetensors file (a larger tensor gets its own)
 _GEN_CHUNK = 1 << 24  # elements generated at a time: bounds the fp32 temporaries
 BUILD_DEVICE_ENV = "TINYENGINE_BUILD_DEVICE"
@@ -285,72 +280,6 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
-
-
-# ----------------------------------------------------------------------------- cache
-
-
-def fingerprint(*parts: Any) -> str:
-    """A short stable hash of JSON-able build inputs."""
-    blob = json.dumps(list(parts), sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def is_complete(folder: str | os.PathLike[str], fingerprint: str | None = None) -> bool:
-    """True when `folder` holds a finished build (of this exact build, when
-    a fingerprint is given)."""
-    try:
-        info = json.loads((Path(folder) / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    return fingerprint is None or info.get("fingerprint") == fingerprint
-
-
-def ensure_built(
-    folder_name: str,
-    fingerprint: str,
-    build: Callable[[Path], object],
-    info: dict[str, Any],
-    cache_dir: str | None = None,
-) -> str:
-    """The path of a finished folder `folder_name` under `cache_dir`
-    ($TINYENGINE_CACHE or ~/.cache/tinyengine): returned at once when its
-    marker carries `fingerprint`, else `build(tmp)` fills a temporary sibling
-    that is then marked (`info` + timing) and renamed into place."""
-    root = Path(cache_dir or default_cache_dir()).expanduser()
-    folder = root / folder_name
-    if is_complete(folder, fingerprint):
-        return str(folder)
-    root.mkdir(parents=True, exist_ok=True)
-    # A sibling temp folder keeps the final rename on one filesystem (atomic).
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder_name}.building-", dir=root))
-    try:
-        start = time.perf_counter()
-        build(tmp)
-        marker = {
-            "fingerprint": fingerprint,
-            **info,
-            "build_seconds": round(time.perf_counter() - start, 1),
-        }
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; a cache is for everyone
-        _write_json(tmp / MARKER_NAME, marker)
-        _publish(tmp, folder, fingerprint)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(folder)
-
-
-def _publish(tmp: Path, folder: Path, fingerprint: str) -> None:
-    """Move a finished build into place; if another process finished the same
-    build first, keep theirs. A stale or unfinished folder is replaced."""
-    if folder.exists() and not is_complete(folder, fingerprint):
-        shutil.rmtree(folder)
-    try:
-        os.rename(tmp, folder)
-    except OSError:
-        if not is_complete(folder, fingerprint):
-            raise
 
 
 # ----------------------------------------------------------------------------- CLI

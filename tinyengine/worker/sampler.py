@@ -1,8 +1,8 @@
 """Sampler: one batch of logits -> one next token per row (+ optional logprobs).
 
 Owns the per-step token choice: penalties (worker/penalties.py), banned-token
-masking, greedy argmax,
-temperature, top-k / top-p / min-p filtering, seeded and unseeded random
+masking, greedy argmax, temperature, top-k / top-p / min-p filtering (its
+threshold in worker/sampling_filters.py), seeded and unseeded random
 sampling, and the logprobs a request asked for. Everything is vectorized over
 the batch; the host learns the results through exactly one device->host copy.
 `sample` only launches the work and starts that copy (into pinned memory,
@@ -61,14 +61,11 @@ from tinyengine.worker.sample_output import (
     ranked_logprobs,
     to_host,
 )
+from tinyengine.worker.sampling_filters import INV_TEMP, TEMP, cutoff, filter_needs
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a
 # denormal-ish temperature overflows the logits to inf and softmax to NaN.
 _GREEDY_EPS = 1e-5
-
-# Columns of the per-row parameter table that travels host->device in one copy
-# (_INV_TEMP only on the fused path: 0 marks a greedy row for the kernel).
-_TEMP, _TOP_K, _TOP_P, _LOG_MIN_P, _INV_TEMP = range(5)
 
 # Seeds for the fused kernel's noise are drawn in [0, 2**62): 62 random bits of
 # the 64-bit Philox key, plenty to never repeat a stream in practice.
@@ -210,15 +207,15 @@ class Sampler:
             for p, g in zip(params, greedy, strict=True)
         ]
         t = self._to_device(table, torch.float32)
-        logits = logits / t[:, _TEMP : _TEMP + 1]
+        logits = logits / t[:, TEMP : TEMP + 1]
 
         live = [p for p, g in zip(params, greedy, strict=True) if not g]
-        max_k, need_top_p, full_sort, need_min_p = _filter_needs(live, vocab)
+        max_k, need_top_p, full_sort, need_min_p = filter_needs(live, vocab)
         if max_k or need_top_p or need_min_p:
-            cutoff = self._cutoff(logits, t, max_k, need_top_p, full_sort, need_min_p)
+            threshold = cutoff(logits, t, max_k, need_top_p, full_sort, need_min_p)
             # Ties with the cutoff are all kept: equal logits mean equal
             # probability, so no arbitrary sort order decides between them.
-            logits = logits.masked_fill(logits < cutoff, float("-inf"))
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
 
         probs = logits.softmax(dim=-1)
         noise = self._exponential_noise(probs, generators, greedy)
@@ -240,7 +237,7 @@ class Sampler:
         vocab = logits.shape[-1]
         greedy = [p.temperature < _GREEDY_EPS for p in params]
         live = [p for p, g in zip(params, greedy, strict=True) if not g]
-        max_k, need_top_p, full_sort, need_min_p = _filter_needs(live, vocab)
+        max_k, need_top_p, full_sort, need_min_p = filter_needs(live, vocab)
         seeds = self._seeds(generators, greedy)
         if not (max_k or need_top_p or need_min_p):
             # Fast path: the logits in their own dtype; a ban copies them once.
@@ -268,14 +265,14 @@ class Sampler:
             for p, g in zip(params, greedy, strict=True)
         ]
         t = self._to_device(table, torch.float32)
-        scaled = self._ban(logits.float(), banned) / t[:, _TEMP : _TEMP + 1]
-        cutoff = self._cutoff(scaled, t, max_k, need_top_p, full_sort, need_min_p)
+        scaled = self._ban(logits.float(), banned) / t[:, TEMP : TEMP + 1]
+        threshold = cutoff(scaled, t, max_k, need_top_p, full_sort, need_min_p)
         # The kernel reads the logits in their own dtype on both paths (one
         # compiled variant: warmup compiles it, and a bf16 fast-path step after
         # READY compiles nothing). A row without filters gets a cutoff that
         # masks nothing exactly, so it sees exactly the fast path's input.
-        masked = self._ban(logits, banned).masked_fill(scaled < cutoff, float("-inf"))
-        tokens = draw(masked, t[:, _INV_TEMP], seeds)
+        masked = self._ban(logits, banned).masked_fill(scaled < threshold, float("-inf"))
+        tokens = draw(masked, t[:, INV_TEMP], seeds)
         return self._collect(raw, tokens, params)
 
     def _seeds(self, generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
@@ -295,62 +292,6 @@ class Sampler:
             if ok and g is not None:
                 seeds[i : i + 1].random_(0, _SEED_HIGH, generator=g)
         return seeds
-
-    def _cutoff(
-        self,
-        logits: torch.Tensor,
-        t: torch.Tensor,
-        max_k: int,
-        need_top_p: bool,
-        full_sort: bool,
-        need_min_p: bool,
-    ) -> torch.Tensor:
-        """Per-row logit threshold [rows, 1]: a token survives iff logit >= cutoff.
-
-        `max_k` is the largest top-k any sampled row asks for (0: none does);
-        `full_sort` says some sampled row wants top-p without a top-k. Rows whose
-        filter is disabled get a cutoff that masks nothing exactly (not "almost
-        nothing"), so a row's tokens do not depend on whether another row in the
-        batch switched a filter on.
-        """
-        num_rows, vocab = logits.shape
-        cutoff = torch.full((num_rows, 1), float("-inf"), device=logits.device)
-        top_k = t[:, _TOP_K].long()[:, None]  # exact: vocab sizes fit a float32 mantissa
-
-        if max_k or need_top_p:
-            # Top-p needs the distribution in descending order, but only as far
-            # as top-k reaches: when every top-p row also has a top-k, a partial
-            # selection of max_k values replaces the full-vocabulary sort.
-            if full_sort:
-                ranked = logits.sort(dim=-1, descending=True).values
-            else:
-                ranked = logits.topk(max_k, dim=-1).values  # sorted, descending
-            width = ranked.shape[-1]
-            if max_k:
-                positions = torch.arange(width, device=logits.device)
-                ranked = ranked.masked_fill(positions >= top_k, float("-inf"))
-            num_kept = top_k
-            if need_top_p:
-                probs = ranked.softmax(dim=-1)  # renormalized over each row's top-k
-                mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
-                top_p = t[:, _TOP_P : _TOP_P + 1]
-                # Keep a token while the mass strictly before it is < top_p: the
-                # smallest prefix reaching top_p. top_p == 1 rows are exempt, since
-                # fp rounding can push the cumsum of the tail past 1.0.
-                drop = (mass_before >= top_p) & (top_p < 1.0)
-                num_kept = (~drop).sum(dim=-1, keepdim=True).clamp(max=top_k)
-            cutoff = ranked.gather(1, num_kept.clamp(max=width) - 1)
-            if not full_sort:
-                # Rows without a top-k were cut at width max_k; here they have
-                # top_p == 1 too (else full_sort), so they keep everything.
-                cutoff = cutoff.masked_fill(top_k >= vocab, float("-inf"))
-
-        if need_min_p:
-            # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p); no softmax
-            # needed, and top-k/top-p never remove the max, so order does not matter.
-            max_logit = logits.amax(dim=-1, keepdim=True)
-            cutoff = torch.maximum(cutoff, max_logit + t[:, _LOG_MIN_P : _LOG_MIN_P + 1])
-        return cutoff
 
     def _exponential_noise(
         self,
@@ -411,13 +352,3 @@ class Sampler:
         allocator keeps the pinned block alive until the copy is done)."""
         pin = self.device.type == "cuda"
         return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
-
-
-def _filter_needs(live: list[SamplingParams], vocab: int) -> tuple[int, bool, bool, bool]:
-    """What the sampled rows' filters need: (max_k, need_top_p, full_sort,
-    need_min_p), as `Sampler._cutoff` takes them; all falsy: no row filters."""
-    need_top_p = any(p.top_p < 1.0 for p in live)
-    need_min_p = any(p.min_p > 0.0 for p in live)
-    max_k = max((p.top_k for p in live if 0 < p.top_k < vocab), default=0)
-    full_sort = any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in live)
-    return max_k, need_top_p, full_sort, need_min_p

@@ -84,7 +84,7 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
         runner.run_decode_shape(size)
 
     runner.zero_kv_cache()
-    runner.generators.clear()
+    runner.request_sampling.generators.clear()
 
 
 def _serve(

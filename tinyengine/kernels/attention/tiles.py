@@ -2,18 +2,18 @@
 (`prefill_config`), the split-KV decode kernel's tiles (`decode_config`) and
 split count (`decode_num_splits`). Host ints only (no device reads), so a CUDA
 graph captured for a batch size keeps its configuration for any context
-length. Values set from H200 sweeps (benchmarks/bench_kernels.py --sweep,
-benchmarks/sweep_decode.py; docs/benchmarks.md).
+length. Values set from sweeps (benchmarks/bench_kernels.py --sweep,
+benchmarks/sweep_decode.py); docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations
 
 import triton
 
-# Decode split heuristic, measured on an H200 (bench_kernels.py --sweep): a
-# batch giving >= 2 (seq, kv_head) programs per SM streams K/V at ~4.1-4.3 TB/s
-# unsplit; below that, splitting up to ~4 programs per SM wins (batch 8 x 32k:
-# 1.1 TB/s unsplit, 3.7 with 4 splits, 4.25 with 8).
+# Decode split heuristic: a batch giving >= 2 (seq, kv_head) programs per SM
+# already streams K/V near the copy bandwidth unsplit; below that, too few
+# programs leave SMs idle, and splitting up to ~4 programs per SM wins
+# (docs/benchmarks.md, Kernels: decode tiles and splits).
 _DECODE_NO_SPLIT_PROGRAMS_PER_SM = 2
 _DECODE_TARGET_PROGRAMS_PER_SM = 4
 _DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in reduce than it saves
@@ -25,9 +25,9 @@ def prefill_config(
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill/mixed kernel.
 
-    Measured on an H200 (benchmarks/bench_kernels.py --sweep, 8k causal, d128):
     256 rows x 64 keys with 8 warps (two warpgroups of 128 rows each, whose
-    softmax and MMAs interleave) beat 128-row tiles by ~10%. BLOCK_M shrinks
+    softmax and MMAs interleave) beat 128-row tiles at 8k causal, d128
+    (benchmarks/bench_kernels.py --sweep; docs/benchmarks.md). BLOCK_M shrinks
     with max_query_len * group so mostly-decode mixed batches don't pay for
     256-row tiles; 256-wide heads (Dk 192 padded) get small tiles to fit.
     """
@@ -53,13 +53,11 @@ def decode_config(
 ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the split-KV decode kernel, from
     host ints only (a captured graph keeps its config for any context length).
-    Chosen by benchmarks/sweep_decode.py on the H200 (d128, K/V TB/s at
-    batch 256 x 128 / 512 / 1024 tokens; docs/benchmarks.md): a program
-    holds only a [max(16, group), BLOCK_N] score tile, so small programs with
-    2 stages keep more of them resident per SM, which is what short contexts
-    (a few tiles a program: latency-bound) need. 2 query heads per KV head
-    (Qwen3-0.6B): 32/1 warp/2 stages 3.41/4.17/4.31 vs 64/4/3 2.55/3.70/3.98.
-    4 (Llama-3-8B, batch 64 x 512 / 4096): 64/2/2 3.64/4.33 vs 3.32/4.17."""
+    Chosen by benchmarks/sweep_decode.py (d128; docs/benchmarks.md has the
+    K/V TB/s per group size): a program holds only a [max(16, group),
+    BLOCK_N] score tile, so small programs with 2 stages keep more of them
+    resident per SM, which is what short contexts (a few tiles a program:
+    latency-bound) need."""
     group = num_q_heads // num_kv_heads
     if triton.next_power_of_2(head_dim_k) > 128:
         return 32, 4, 2

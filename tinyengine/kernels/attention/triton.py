@@ -48,7 +48,7 @@ from tinyengine.kernels.launch import LOG2E, dot_precision, interpreting, num_sm
 
 
 def _num_sms(device: torch.device) -> int:
-    # Off the GPU, the H200's count: the interpreter then takes the GPU's split choices.
+    # Off the GPU, 132 SMs (an H200's count): the interpreter then takes the GPU's split choices.
     return num_sms(device, off_gpu=132)
 
 

@@ -75,11 +75,10 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     )  # fmt: skip
 
 
-# The dispatcher uses the kernel for one row only. Measured on the H200
-# (benchmarks/bench_gemv.py, Llama-3-8B shapes): at M = 1 it reads the weight
-# at 3.4-3.6 TB/s where cuBLAS reaches 2.5-3.3 (per-token linear time 3.93 ->
-# 3.64 ms); at M = 2..8 the DOT loop lost to cuBLAS (4.1 -> 4.8 ms), so those
-# stay on F.linear until that loop is tuned.
+# The dispatcher uses the kernel for one row only: at M = 1 it reads the
+# weight faster than cuBLAS, while at M = 2..8 its DOT loop is slower, so those
+# stay on F.linear until that loop is tuned (benchmarks/bench_gemv.py,
+# Llama-3-8B shapes; docs/benchmarks.md has the figures).
 DISPATCH_MAX_M = 1
 
 

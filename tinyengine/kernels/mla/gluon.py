@@ -1,6 +1,6 @@
 """MLA decode's split kernel for Hopper in Gluon (Triton's lower-level
 dialect, where the kernel chooses its own layouts and shared memory): the one
-tile DeepSeek-V3 decode runs on an H200 (64 heads x 64 latent rows, L=512,
+tile DeepSeek-V3 decode runs on Hopper (64 heads x 64 latent rows, L=512,
 R=64, bf16/fp16, 64-token cache pages), written so both warpgroups share the
 work instead of repeating it.
 
@@ -19,8 +19,8 @@ max, row sum, rescale factor) move between them without data movement, and
 the weights P reach the PV product through shared memory: each warpgroup
 writes its half of P, a fence and a CTA barrier make it visible to the
 tensor cores, and each warpgroup multiplies all of P by its half of the tile.
-Measured on the H200 (B=64 x 128 heads x ctx 4096): 180 us against the
-Triton kernel's 252 us (405 vs 289 TFLOP/s).
+Doing the QK product once makes it about 1.4x faster than the Triton kernel
+at 128 heads (docs/benchmarks.md, MLA decode in Gluon).
 
 One program = (64 heads, sequence, split), as in the Triton kernel, whose
 reduce merges the splits. Per tile: a TMA copy of the page's latent and rope
@@ -32,7 +32,7 @@ are zeroed in shared memory before the PV product (they may hold anything,
 and 0 x NaN is NaN), and their scores are masked to -inf.
 
 Shared memory at DeepSeek's widths: the query (72 KB), two ring slots (144
-KB), P (8 KB): 224 of the 227 KB an H200 block may use, so this kernel has
+KB), P (8 KB): 224 of the 227 KB a block may use on sm_90, so this kernel has
 exactly one tile shape; `supports` says when it applies, and everything else
 runs the Triton kernel. No interpreter runs Gluon: CPU tests cover the Triton
 kernel, and GPU tests compare this one with the reference and with it.
@@ -85,7 +85,7 @@ def supports(
 ) -> bool:
     """Whether this kernel can run the call: Gluon present, a Hopper GPU
     (not the interpreter), 16-bit floats, DeepSeek's widths, whole 64-head
-    blocks and whole pages through TMA (`paged`: triton_mla.pages_by_tma)."""
+    blocks and whole pages through TMA (`paged`: kernels/mla/triton.py's pages_by_tma)."""
     if not HAVE_GLUON or _compile_failed or q_latent.device.type != "cuda":
         return False
     num_heads, latent_dim = q_latent.shape[1], q_latent.shape[2]
@@ -122,7 +122,7 @@ if HAVE_GLUON:
         BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         """Grid (H / BLOCK_H, B, num_splits), 8 warps; the same outputs as
-        mla_split._mla_split_kernel (DIRECT: `out`; else the partials and
+        kernels/mla/split.py's _mla_split_kernel (DIRECT: `out`; else the partials and
         log2-sum-exps the reduce merges; an empty split writes lse = -inf)."""
         dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(

@@ -5,7 +5,7 @@ model. Host ints only (no device reads), so a CUDA graph captured for a batch
 size stays valid for any context; the tile shape depends on (num_heads,
 latent_dim, the cache's element size and block size) alone, so a model
 compiles one split kernel (two: S = 1 writes the output directly). Values set
-from the H200 sweep (benchmarks/sweep_mla.py).
+from benchmarks/sweep_mla.py (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import triton
 # --- tile shape (per model: depends on num_heads and latent_dim only)
 # (min heads, BLOCK_H): the first row whose min the head count reaches.
 _HEADS_PER_PROGRAM = ((64, 64), (32, 32), (0, 16))
-# BLOCK_N per BLOCK_H (H200 sweep: 64 heads x 64 rows best for 128 heads; 16 x 32 for 16).
+# BLOCK_N per BLOCK_H (the sweep's best: 64 heads x 64 rows for 128 heads; 16 x 32 for 16).
 _BLOCK_N = {64: 64, 32: 32, 16: 32}
 _NUM_STAGES = 2  # pointer (cp.async) tiles
 # Tiles that load whole pages through TMA when the cache's block size allows,
-# with their stage count (H200 sweep, 64-token blocks): bf16 at
+# with their stage count (from the sweep, 64-token blocks): bf16 at
 # 64 heads (two stages of [64, L + R] plus the [64, L + R] query fill 216 of
-# 227 KB of shared memory; B=64 x ctx 4096: 252 us vs 393 through pointers)
-# and at 16 heads (a TP-8 shard; 105 vs 119 us). 32-head tiles have no TMA
-# variant measured (their sm_90 build spills ~1 KB per thread).
+# 227 KB of shared memory) and at 16 heads (a TP-8 shard); both beat pointer
+# loads. 32-head tiles have no TMA variant (their sm_90 build spills ~1 KB
+# per thread).
 _NUM_STAGES_TMA = {64: 2, 16: 3}
 
-# --- split count: a small cost model over host ints (per-GPU constants, H200)
+# --- split count: a small cost model over host ints (per-GPU constants, set for an H200)
 _ASSUMED_TFLOPS = 400.0  # achieved bf16 MMA rate of the split kernel, whole GPU
 _ASSUMED_HBM_TBS = 4.0  # achieved HBM bandwidth
 _SPLIT_LAUNCH_US = 3.0  # the reduce launch and its tail
@@ -58,8 +58,8 @@ def _split_cost_us(
     of its HBM bandwidth, whichever is slower (the rope width is taken as L/8).
     A split covers whole tiles (the kernels round its share up to BLOCK_N
     rows), so some split counts leave trailing splits empty: at ctx 4096 and
-    64-row tiles, 29 splits are 22 of 3 tiles (19.6 us at B=1 on the H200)
-    where 32 are 32 of 2 (16.8 us)."""
+    64-row tiles, 29 splits are 22 of 3 tiles where 32 are 32 of 2, and the
+    latter is faster at B=1 (docs/benchmarks.md)."""
     width = latent_dim + max(1, latent_dim // 8)
     tokens = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
     live = triton.cdiv(max_seq_len, tokens)  # splits with any rows
@@ -103,15 +103,14 @@ class MLAConfig(NamedTuple):
     num_stages: int
     num_splits: int  # runtime argument: any value shares one compiled kernel
     # Whole tiles as one TMA copy per operand: possible when a tile never
-    # straddles cache blocks (block_size a multiple of block_n). Measured on
-    # the H200 (B=64, 128 heads, ctx 4096): 251 us against 383 through
-    # pointers, whose per-row address math pushes the kernel past 255
-    # registers into spills.
+    # straddles cache blocks (block_size a multiple of block_n). Faster than
+    # pointers (docs/benchmarks.md), whose per-row address math pushes the
+    # kernel past 255 registers into spills.
     paged_tma: bool
     # Rescale the accumulator only when a row's max grows by more than the
     # kernel's threshold (an `if` per tile) instead of every tile. Pays with
     # pointer tiles (sweep); with TMA tiles the branch's extra live registers
-    # spill (sm_90: 104 bytes of stack) and eager is faster (251 vs 283 us).
+    # spill (sm_90: 104 bytes of stack) and eager is faster (docs/benchmarks.md).
     lazy_rescale: bool
 
 

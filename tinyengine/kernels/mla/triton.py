@@ -48,9 +48,9 @@ partial tile goes through pointers (masked rows read 0, so nothing past the
 context is ever loaded). Otherwise every tile is gathered row by row through
 pointers (cp.async), each row looking up its own block id. The pointer path
 costs registers: its per-row addresses push the kernel (64 heads, 8 warps)
-past 255 registers per thread into spills (sm_90). Measured on the H200,
-B=64, H=128, ctx 4096 (benchmarks/sweep_mla.py): 251 us with TMA
-pages vs 383 us through pointers.
+past 255 registers per thread into spills (sm_90), so at 128 heads whole-page
+TMA loads beat the row gather by about 1.5x (benchmarks/sweep_mla.py;
+docs/benchmarks.md has the figures).
 
 Why the QK product runs twice here, and the Gluon kernel. With 64 heads and
 8 warps (two warpgroups), Triton lays out a dot whose result feeds another
@@ -60,11 +60,11 @@ M = 64 that replicates the QK product (and the softmax) on both warpgroups,
 them. The ways out cost more than they save in Triton 3.6: 128 heads per
 program need a [128, 512] fp32 accumulator (256 registers per thread at 8
 warps); a deferred PV (tile i's PV in iteration i + 1, its rows re-read from
-L2) measured 450 us against the chained loop's 383 (pointer tiles;
-docs/benchmarks.md). So on Hopper the 64-head, 64-row TMA tile runs
-kernels/mla/gluon.py instead, written in Gluon with explicit layouts: the
-warpgroups split the QK columns and hand the softmax weights over through
-shared memory (180 us vs this kernel's 252 at B=64, H=128, ctx 4096). This
+L2) is slower than the chained loop (docs/benchmarks.md). So on Hopper the
+64-head, 64-row TMA tile runs kernels/mla/gluon.py instead, written in Gluon
+with explicit layouts: the warpgroups split the QK columns and hand the
+softmax weights over through shared memory, which does the MMA work once and
+is about 1.4x faster at 128 heads (docs/benchmarks.md, MLA decode in Gluon). This
 kernel serves every other shape, dtype and GPU, and the CPU tests.
 
 Tunables (defaults set from that sweep, which times a grid of them per shape
@@ -72,7 +72,7 @@ and prints the heuristic's pick next to the best), in kernels/mla/tiles.py:
 _HEADS_PER_PROGRAM (BLOCK_H per head count), _BLOCK_N, _NUM_STAGES(_TMA),
 num_warps (_warps_for: 8 for a [64, 512] tile), the rescale variant (lazy:
 rescale the accumulator only when a row's running max grows by more than
-mla_split.RESCALE_THRESHOLD, in log2 units; eager: every tile), and the
+RESCALE_THRESHOLD in kernels/mla/split.py, in log2 units; eager: every tile), and the
 split cost model (_ASSUMED_TFLOPS, _ASSUMED_HBM_TBS, _SPLIT_LAUNCH_US,
 _RESIDENT_PROGRAMS, _MIN_SPLIT_TOKENS, MAX_SPLITS).
 
@@ -202,7 +202,7 @@ def launch_mla_decode(
     out = torch.empty(num_seqs, num_heads, latent_dim, dtype=q_latent.dtype, device=q_latent.device)
     if num_seqs == 0:
         return out
-    # Off the GPU, the H200's count: the interpreter takes the GPU's split choices.
+    # Off the GPU, 132 SMs (an H200's count): the interpreter takes the GPU's split choices.
     sms = num_sms(q_latent.device, off_gpu=132)
     cfg = mla_config(
         num_seqs, num_heads, latent_dim, max_seq_len, sms, latent_cache.element_size(),

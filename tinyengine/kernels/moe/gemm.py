@@ -5,10 +5,10 @@ pair's unsorted index for the per-token reduction.
 
 Owns which M-block of the sorted rows belongs to which expert, tails, the
 program order and the load modes. The inputs (order, counts, the sorted copy
-of x) come from triton_moe's grouping; nothing here reads the device on the
+of x) come from the grouping in kernels/moe/triton.py; nothing here reads the device on the
 host, and every shape is a host int, so both kernels are CUDA-graph safe.
 
-The M = T*K (token, slot) pairs, grouped by expert (triton_moe.py):
+The M = T*K (token, slot) pairs, grouped by expert (kernels/moe/triton.py):
     order      = stable argsort of the expert ids;  counts[e] = pairs routed to e
 Each GEMM program derives the rest from the E counts it loads (one vector
 load, scans and sums in registers; no binary search of dependent loads):
@@ -30,8 +30,8 @@ blocks, and its last block also computes the up to TAIL_M rows after its
 BLOCK_M main rows, in a second [TAIL_M, BLOCK_N] accumulator fed by the same
 weight tile each K step (one more activation tile per step; no weight
 reloads). Blocks with a tail run their own copy of the K loop, so neither
-loop branches per step. Measured on the H200 (T=4096, random routing):
-gate_up 5019 -> 4762 us, down 2873 -> 2287 us (docs/benchmarks.md).
+loop branches per step. Tails speed up both GEMMs at T=4096 with random
+routing, down the most (docs/benchmarks.md, MoE tails).
 
 Program order. A GEMM's grid is 1-D over (M-block, N-block) tiles. With
 group_m = G, runs of G consecutive M-blocks sweep all N-blocks together
@@ -51,7 +51,7 @@ TMA_W loads the weight tiles through a tensor descriptor built on the host
 over w viewed as [E*N, K] (block [BLOCK_N, BLOCK_K] at row e*N + n0); TMA_AW
 also the activation tiles, which must then be contiguous row blocks: down's
 A (act) is stored in sorted-row order already; gate_up's A rows are gathered
-tokens, so triton_moe's _gather_kernel first copies x into sorted order (xs [M, D], a
+tokens, so kernels/moe/triton.py's _gather_kernel first copies x into sorted order (xs [M, D], a
 workspace view, weights' dtype). A block's A tile then starts at its first
 sorted row: rows past its expert's segment are the next expert's (dropped at
 the store) or, past M, TMA's zero fill; K tails are zero-filled too, so TMA
@@ -61,7 +61,7 @@ tensor's alignment or layout rules TMA out (16-byte base and row stride,
 w's experts contiguous) that operand silently uses pointers. The Triton
 interpreter runs descriptor loads itself, so CPU tests cover the TMA path.
 
-Numerics (dtypes, rounding, the interpreter's fp32 upcast): triton_moe.py.
+Numerics (dtypes, rounding, the interpreter's fp32 upcast): kernels/moe/triton.py.
 """
 
 from __future__ import annotations

@@ -37,15 +37,14 @@ def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int,
 # each expert's weights read once), class 1 is 512 <= T < 2048, class 2 is
 # T >= 2048 (compute matters: 128-row tiles, grouped program order).
 # gate_up holds two accumulators (gate and up), so its BLOCK_N is half the
-# effective tile width. The tiles and group_m are the H200 sweep's picks
-# (benchmarks/sweep_moe.py, DeepSeek-V3 dims): T=1 3.65 TB/s and T=16 4.43
-# TB/s of touched weights. Class 2 loads both operands by TMA (tma=2; H200
-# sweep: gate_up 5148 us vs 5540 with pointers, down 2639 vs
-# 2967 at T=4096) and runs tails (tail_m=64): an expert's last block takes up
-# to 64 rows past its 128, so ~128 rows per expert need one block, not two,
-# which also makes a short program order best (group_m 2 and 4, from
-# order runs at T=2048/4096/8192). The whole op: ~370-420 TFLOP/s
-# at T=4096 (339 without tails) and 457 at T=8192 (docs/benchmarks.md).
+# effective tile width. The tiles and group_m are the sweep's picks
+# (benchmarks/sweep_moe.py, DeepSeek-V3 dims), which stream the touched
+# weights near the copy bandwidth at T=1 and T=16. Class 2 loads both
+# operands by TMA (tma=2: both GEMMs beat pointer loads at T=4096) and runs
+# tails (tail_m=64): an expert's last block takes up to 64 rows past its 128,
+# so ~128 rows per expert need one block, not two, which also makes a short
+# program order best (group_m 2 and 4, from order runs at T=2048/4096/8192).
+# docs/benchmarks.md has the figures.
 CLASS_ROWS = (16, 64)
 CLASS_CONFIGS: tuple[dict[str, dict[str, int]], ...] = (
     {"gate_up": _gemm(16, 128, 128, 4, 3, 0), "down": _gemm(16, 128, 128, 4, 4, 0)},
@@ -84,8 +83,8 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int,
             # shared memory at or below the bf16 tiles' (which fit); e.g.
             # class 0's gate_up ring is ~204 KB in bf16, ~408 KB in fp32.
             c["num_stages"] = max(1, c["num_stages"] // 2)
-            # ...and no tails: class 2's fp32 ring with the tail tile measured
-            # 240 KB of shared memory on the H200 (227 KB allowed).
+            # ...and no tails: class 2's fp32 ring with the tail tile needs
+            # 240 KB of shared memory, past the 227 KB a block may use on sm_90.
             c["tail_m"] = 0
         out[gemm] = c
     return out

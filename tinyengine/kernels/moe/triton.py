@@ -177,8 +177,8 @@ def _w_desc_ok(w: torch.Tensor) -> bool:
 def _key_dtype(num_experts: int) -> torch.dtype:
     """The narrowest integer dtype that holds every expert id: the radix sort
     makes one pass per key byte, so int16 keys (E < 32768, every DeepSeek)
-    take a quarter of the passes of the router's int64 ids (H200, T=4096 x
-    top-8, sort + histogram: 70 -> 33 us, docs/benchmarks.md)."""
+    take a quarter of the passes of the router's int64 ids (the grouping's
+    time halves at T=4096 x top-8; docs/benchmarks.md)."""
     return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
 
 

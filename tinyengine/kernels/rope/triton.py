@@ -25,9 +25,9 @@ from tinyengine.kernels.device_fn import device_fn
 def _round(x, dtype):
     """Round an fp32 tile to the activation dtype and back (a torch op's
     output rounding). For bf16 the round-to-nearest-even is done on the bits:
-    the compiler may drop a plain fp32 -> bf16 -> fp32 conversion pair (seen on
-    the H200: results then differed from torch's by a few bf16 steps wherever
-    the two products of a rotation nearly cancel), but never integer ops."""
+    the compiler may drop a plain fp32 -> bf16 -> fp32 conversion pair (results
+    then differ from torch's by a few bf16 steps wherever the two products of
+    a rotation nearly cancel), but never integer ops."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
