@@ -4,7 +4,9 @@ would, and the model folders they serve.
 
 Each test module starts at most one or two server processes (module-scoped
 fixtures) and shares them across its tests, to keep the suite quick on two
-CPU cores.
+CPU cores. The exception is the SmolLM2 server of the test_openai_server*.py
+files (one suite split by topic): one session-scoped server and one offline
+reference engine serve all of them, as they did when the suite was one file.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+
+from tests.server.openai_helpers import API_KEY, AUTH, ENGINE, MAX_REQUEST_BYTES
+from tinyengine import LLM
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0
@@ -139,3 +145,40 @@ def tiny_token_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.hf_models import make_tiny_hf_model
 
     return str(make_tiny_hf_model("llama", tmp_path_factory.mktemp("tiny-ids")))
+
+
+# --- the SmolLM2 OpenAI server of test_openai_server*.py ---
+# (test_server_load.py defines its own module-scoped `server`, which wins there.)
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_path: str):
+    env = {f"TINYENGINE_{k.upper()}": str(v) for k, v in ENGINE.items()}
+    env.update(
+        TINYENGINE_MODEL=smollm2_path,
+        TINYENGINE_API_KEY=API_KEY,
+        TINYENGINE_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES),
+        TINYENGINE_PRINT_STARTUP_REPORT="false",
+    )
+    yield from start_server(env)
+
+
+@pytest.fixture(scope="session")
+def model_name(smollm2_path: str) -> str:
+    return smollm2_path.rstrip("/").split("/")[-1]
+
+
+@pytest.fixture(scope="session")
+def llm(smollm2_path: str) -> LLM:
+    return LLM(smollm2_path, **ENGINE, print_startup_report=False)
+
+
+@pytest.fixture
+def client(server) -> httpx.Client:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)

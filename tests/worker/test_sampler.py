@@ -1,5 +1,7 @@
-"""Sampler: greedy, banning, filters, seeded reproducibility, distributions,
-logprobs; plus SamplingParams validation (the sampler's user-facing inputs).
+"""Sampler: greedy, banning, seeded reproducibility, logprobs, and random
+batches against every rule. Filters and the distributions drawn from are in
+test_sampler_filters.py, SamplingParams validation (the sampler's user-facing
+inputs) in test_sampling_params.py; shared helpers in sampler_helpers.py.
 
 Random draws use fixed seeds, so every statistical check is deterministic: a
 tolerance here is about the maths being right, not about flakiness.
@@ -7,7 +9,6 @@ tolerance here is about the maths being right, not about flakiness.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -15,56 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.worker.sampler_helpers import allowed_tokens, check_logprobs, randn, sample
 from tinyengine.sampling_params import MAX_LOGPROBS, SamplingParams
-from tinyengine.worker.sample_output import SamplerOutput
 from tinyengine.worker.sampler import Sampler
-from tinyengine.worker.sampling_filters import cutoff
-
-
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams] | SamplingParams,
-    generators: list[torch.Generator | None] | None = None,
-    banned: list[list[int]] | None = None,
-    sampler: Sampler | None = None,
-) -> SamplerOutput:
-    rows = logits.shape[0]
-    if isinstance(params, SamplingParams):
-        params = [params] * rows
-    sampler = sampler or Sampler("cpu", seed=0)
-    return sampler(logits, params, generators or [None] * rows, banned)
-
-
-def randn(*shape: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-
-
-def draws(logits_row: torch.Tensor, params: SamplingParams, n: int = 4000) -> list[int]:
-    """n independent draws from one distribution: the row replicated n times."""
-    return sample(logits_row.expand(n, -1).contiguous(), params).token_ids
-
-
-def allowed_tokens(logits_row: torch.Tensor, p: SamplingParams, slack: float = 1e-4) -> set[int]:
-    """Reference filter chain in float64: top-k, then top-p on the renormalized
-    top-k, then min-p against the max. `slack` widens top-p/min-p boundaries so
-    fp32-vs-fp64 rounding at a boundary cannot fail a correct sampler."""
-    scaled = logits_row.double() / (p.temperature or 1.0)
-    order = torch.argsort(scaled, descending=True).tolist()
-    if p.top_k > 0:
-        # Ties with the k-th value are kept (the sampler does the same).
-        kth = scaled[order[min(p.top_k, len(order)) - 1]]
-        order = [t for t in order if scaled[t] >= kth]
-    probs = torch.softmax(scaled[order], dim=0).tolist()
-    kept, mass = [], 0.0
-    for t, pr in zip(order, probs, strict=True):
-        if mass >= p.top_p + slack:
-            break
-        kept.append(t)
-        mass += pr
-    full = torch.softmax(scaled, dim=0)
-    pmax = full.max().item()
-    return {t for t in kept if full[t].item() >= p.min_p * pmax * (1 - slack) - 1e-12}
-
 
 # ------------------------------------------------------------------ greedy / banning
 
@@ -252,184 +206,7 @@ def test_unseeded_rows_follow_sampler_seed() -> None:
     assert a == b and a != c
 
 
-# ------------------------------------------------------------------ filters
-
-
-@pytest.mark.parametrize("k", [1, 3, 10])
-def test_top_k_only_k_largest(k: int) -> None:
-    row = randn(1, 60, seed=k)
-    chosen = set(draws(row, SamplingParams(temperature=2.0, top_k=k)))
-    top = set(row[0].topk(k).indices.tolist())
-    assert chosen <= top
-    assert len(chosen) == k, "with T=2 and 4000 draws every kept token shows up"
-
-
-def test_top_k_per_row_in_mixed_batch() -> None:
-    ks = [1, 3, 10, -1, 0, 60]
-    logits = randn(len(ks) * 300, 60, seed=5)
-    params = [SamplingParams(temperature=1.5, top_k=ks[i % len(ks)]) for i in range(len(logits))]
-    out = sample(logits, params)
-    for i, tok in enumerate(out.token_ids):
-        k = params[i].top_k
-        if k > 0:
-            assert tok in logits[i].topk(k).indices.tolist()
-
-
-@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.8, 0.95])
-def test_top_p_in_nucleus(top_p: float) -> None:
-    row = randn(1, 80, seed=11)
-    params = SamplingParams(temperature=1.0, top_p=top_p)
-    chosen = set(draws(row, params))
-    assert chosen <= allowed_tokens(row[0], params)
-    if top_p == 0.05:
-        assert chosen == {int(row.argmax())}, "top token is always kept"
-
-
-@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 1.0])
-def test_min_p_above_threshold(min_p: float) -> None:
-    row = randn(1, 80, seed=12)
-    chosen = draws(row, SamplingParams(temperature=0.9, min_p=min_p))
-    probs = torch.softmax(row[0] / 0.9, dim=0)
-    floor = min_p * probs.max() * (1 - 1e-5)
-    assert all(probs[t] >= floor for t in chosen)
-    if min_p == 1.0:
-        assert set(chosen) == {int(row.argmax())}
-
-
-def test_combined_filters() -> None:
-    row = randn(1, 100, seed=13, scale=1.5)
-    for params in (
-        SamplingParams(temperature=0.8, top_k=15, top_p=0.7),
-        SamplingParams(temperature=1.3, top_k=30, min_p=0.1),
-        SamplingParams(temperature=1.0, top_p=0.6, min_p=0.2),
-        SamplingParams(temperature=1.7, top_k=8, top_p=0.9, min_p=0.05),
-    ):
-        chosen = set(draws(row, params))
-        assert chosen <= allowed_tokens(row[0], params), params
-
-
-def test_disabled_filters_are_exact_no_ops() -> None:
-    """A row with filters off draws the very same tokens whether the batch takes
-    the fast path (no filters anywhere) or the filter path (another row filters)."""
-    vocab, steps = 64, 30
-    target_variants = [
-        SamplingParams(temperature=1.0, seed=5),
-        SamplingParams(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=5),
-        SamplingParams(temperature=1.0, top_k=0, seed=5),
-        SamplingParams(temperature=1.0, top_k=vocab, seed=5),  # k >= vocab keeps all
-    ]
-    filtering = SamplingParams(temperature=1.0, top_k=3, top_p=0.5, min_p=0.2)
-    reference = None
-    for target in target_variants:
-        for with_filter_row in (False, True):
-            sampler = Sampler("cpu")
-            gen = sampler.new_generator(5)
-            tokens = []
-            for step in range(steps):
-                row = randn(1, vocab, seed=step)
-                if with_filter_row:
-                    logits = torch.cat([randn(1, vocab, seed=500 + step), row])
-                    out = sampler(logits, [filtering, target], [None, gen])
-                    tokens.append(out.token_ids[1])
-                else:
-                    tokens.append(sampler(row, [target], [gen]).token_ids[0])
-            reference = reference or tokens
-            assert tokens == reference, (target, with_filter_row)
-
-
-# ------------------------------------------------------------------ distributions
-
-
-def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    n = counts.sum().item()
-    expected = expected_probs.double() * n
-    mask = expected > 0
-    assert counts[~mask].sum() == 0, "a zero-probability token was drawn"
-    return (((counts.double() - expected) ** 2)[mask] / expected[mask]).sum().item()
-
-
-# df = 5 (6 tokens): P(chi2 > 25) ~ 1.4e-4, so only a wrong distribution fails.
-CHI2_LIMIT_DF5 = 25.0
-
-
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_temperature_matches_softmax(temperature: float) -> None:
-    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 0.2]])
-    n = 20_000
-    tokens = draws(logits, SamplingParams(temperature=temperature), n=n)
-    counts = torch.bincount(torch.tensor(tokens), minlength=6)
-    expected = torch.softmax(logits[0] / temperature, dim=0)
-    assert chi_square(counts, expected) < CHI2_LIMIT_DF5
-
-
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=1.0, top_k=3),
-        SamplingParams(temperature=1.0, top_p=0.65),
-        SamplingParams(temperature=1.0, min_p=0.4),
-        SamplingParams(temperature=1.0, top_k=4, top_p=0.8, min_p=0.3),
-    ],
-    ids=["top_k", "top_p", "min_p", "combined"],
-)
-def test_filtered_distribution_is_renormalized(params: SamplingParams) -> None:
-    """Each filter keeps {0, 1, 5} of these logits (probs .36 .22 .13 .08 .05 .16,
-    every boundary well clear of rounding), and the survivors keep their relative
-    odds: a filter that is too strict or too loose fails here."""
-    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 0.2]])
-    assert allowed_tokens(logits[0], params, slack=0.0) == {0, 1, 5}
-    tokens = draws(logits, params, n=20_000)
-    counts = torch.bincount(torch.tensor(tokens), minlength=6)
-    expected = torch.softmax(logits[0], dim=0)
-    expected[[2, 3, 4]] = 0.0
-    expected /= expected.sum()
-    # df = 2: P(chi2 > 18) ~ 1.2e-4.
-    assert chi_square(counts, expected) < 18.0
-
-
-def test_top_p_one_keeps_tail_despite_rounding() -> None:
-    """White-box: the top token's fp32 probability rounds to exactly 1.0 here, so
-    the cumulative mass before every other token is >= 1.0; top_p == 1 must still
-    keep them (no sampling test can see a 1e-9 token go missing)."""
-    logits = torch.tensor([[0.0, -25.0, -25.0, -30.0], [0.0, 1.0, 2.0, 3.0]])
-    params = [SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)]
-    table = torch.tensor([[1.0, 4, p.top_p, -math.inf] for p in params])
-    assert torch.softmax(logits[0], dim=0)[0].item() == 1.0
-    threshold = cutoff(logits, table, max_k=0, need_top_p=True, full_sort=True, need_min_p=False)
-    assert threshold[0].item() == -30.0  # keeps everything
-    assert threshold[1].item() == 3.0  # the other row's nucleus is its top token
-
-
-def test_seeded_rows_sample_the_right_distribution() -> None:
-    """Per-request generators give draws from the same distribution (not just
-    reproducible ones): one seeded request, many steps, same logits."""
-    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 0.2]])
-    sampler = Sampler("cpu")
-    gen = sampler.new_generator(123)
-    tokens = [sampler(logits, [SamplingParams(seed=123)], [gen]).token_ids[0] for _ in range(4000)]
-    counts = torch.bincount(torch.tensor(tokens), minlength=6)
-    assert chi_square(counts, torch.softmax(logits[0], dim=0)) < CHI2_LIMIT_DF5
-
-
 # ------------------------------------------------------------------ logprobs
-
-
-def check_logprobs(logits: torch.Tensor, params: list[SamplingParams], out: SamplerOutput) -> None:
-    ref = torch.log_softmax(logits.double(), dim=-1)  # the raw distribution
-    for i, p in enumerate(params):
-        entries = out.logprobs[i]
-        if p.logprobs is None:
-            assert entries is None
-            continue
-        assert entries is not None and len(entries) == 1 + p.logprobs
-        assert entries[0][0] == out.token_ids[i], "sampled token first"
-        for tok, lp, rank in entries:
-            assert lp == pytest.approx(ref[i, tok].item(), abs=1e-5)
-            assert rank == 1 + int((ref[i] > ref[i, tok] + 1e-6).sum())
-        top = entries[1:]
-        assert [lp for _, lp, _ in top] == sorted((lp for _, lp, _ in top), reverse=True)
-        expected_top = ref[i].topk(p.logprobs).values.tolist() if p.logprobs else []
-        assert [lp for _, lp, _ in top] == pytest.approx(expected_top, abs=1e-5)
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
@@ -510,58 +287,3 @@ def test_random_batches_respect_every_rule(
             assert tok == int(masked.argmax())
         else:
             assert tok in allowed_tokens(masked, p)
-
-
-# ------------------------------------------------------------------ SamplingParams validation
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"temperature": -0.1}, "temperature"),
-        ({"temperature": float("nan")}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -2}, "top_k"),
-        ({"top_k": 2.5}, "top_k"),
-        ({"min_p": -0.1}, "min_p"),
-        ({"min_p": 2.0}, "min_p"),
-        ({"seed": "abc"}, "seed"),
-        ({"seed": 2**63}, "seed"),  # torch's generator would overflow mid-step
-        ({"seed": -(2**63) - 1}, "seed"),
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"min_tokens": -1}, "min_tokens"),
-        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"logprobs": -1}, "logprobs"),
-        ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
-        ({"stop": ""}, "stop"),
-        ({"stop": ["ok", ""]}, "stop"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ],
-)
-def test_sampling_params_rejects_bad_values(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
-        SamplingParams(**kwargs)
-
-
-def test_sampling_params_accepts_edges() -> None:
-    SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0)
-    SamplingParams(top_k=0, min_p=1.0, logprobs=0, max_tokens=None, min_tokens=100)
-    SamplingParams(logprobs=MAX_LOGPROBS, stop="x", min_tokens=3, max_tokens=3)
-    last = SamplingParams(seed=2**63 - 1, n=3).fan_out()  # seed + i wraps within int64
-    assert [p.seed for p in last] == [2**63 - 1, -(2**63), -(2**63) + 1]
-    SamplingParams(seed=-(2**63))
-    assert math.isclose(SamplingParams(temperature=0.5).temperature, 0.5)
-
-
-def test_n_fans_out_into_one_sequence_requests():
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="SamplingParams.n"):
-            SamplingParams(n=bad)
-    one = SamplingParams(n=1, seed=5)
-    assert one.fan_out() == [one]
-    kids = SamplingParams(n=3, seed=5, temperature=0.7, max_tokens=4).fan_out()
-    assert [(k.n, k.seed, k.temperature, k.max_tokens) for k in kids] == [
-        (1, 5, 0.7, 4), (1, 6, 0.7, 4), (1, 7, 0.7, 4)
-    ]  # fmt: skip
-    assert [k.seed for k in SamplingParams(n=2).fan_out()] == [None, None]

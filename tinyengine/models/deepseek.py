@@ -30,7 +30,13 @@ from torch import nn
 
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, KVCacheSpec
-from tinyengine.models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding, check_tp
+from tinyengine.models.layers import (
+    ParallelLMHead,
+    PreNormDecoderLayer,
+    RMSNorm,
+    VocabParallelEmbedding,
+    check_tp,
+)
 from tinyengine.models.mla import DeepseekRotaryEmbedding, MLAAttention, MLADims, mla_softmax_scale
 from tinyengine.models.moe import DeepseekMoE, MoEConfig, SwiGLUMLP
 from tinyengine.models.rotary import get_rope_parameters
@@ -128,7 +134,7 @@ class DeepseekArgs:
         return self.moe is not None and layer_idx >= self.first_k_dense_replace
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         args: DeepseekArgs,
@@ -151,25 +157,11 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Same residual convention as models/llama.py: the sum is formed inside
-        # the next norm, and a layer returns (mlp_out, residual_before_mlp).
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states, ctx.ops)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, ctx.ops, residual)
-        hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, ctx.ops, residual)
+    def run_mlp(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # The MoE takes the whole context (its scratch comes from the workspace).
         if self.is_moe:
-            return self.mlp(hidden_states, ctx), residual
-        return self.mlp(hidden_states, ctx.ops), residual
+            return self.mlp(hidden_states, ctx)
+        return self.mlp(hidden_states, ctx.ops)
 
 
 class DeepseekModel(nn.Module):

@@ -209,6 +209,41 @@ class SiluAndMul(nn.Module):
         return ops.linear_silu_mul(x, gate_up.weight, gate_up.bias)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A decoder layer's residual wiring, shared by the model families:
+    norm -> self_attn -> norm -> mlp. A subclass builds `self_attn`, `mlp`,
+    `input_layernorm` and `post_attention_layernorm`.
+
+    The residual stream is carried separately and added inside the next norm
+    (fused add): layer i returns (mlp_out, residual_before_mlp), and the
+    model's final norm forms the last sum.
+    """
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states, ctx.ops)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, ctx.ops, residual)
+        hidden_states = self.self_attn(positions, hidden_states, ctx)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, ctx.ops, residual)
+        return self.run_mlp(hidden_states, ctx), residual
+
+    def run_mlp(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.mlp(hidden_states, ctx.ops)
+
+
 class PagedAttention(nn.Module):
     """Writes this layer's new K/V into the paged cache, then attends over it.
 

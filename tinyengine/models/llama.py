@@ -22,6 +22,7 @@ from tinyengine.models.layers import (
     MergedColumnParallelLinear,
     PagedAttention,
     ParallelLMHead,
+    PreNormDecoderLayer,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -173,7 +174,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x, ops), ops)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         args: LlamaArgs,
@@ -187,24 +188,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(args, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately and added inside the next
-        # norm (fused add): layer i's output is (mlp_out, residual_before_mlp).
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states, ctx.ops)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, ctx.ops, residual)
-        hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, ctx.ops, residual)
-        return self.mlp(hidden_states, ctx.ops), residual
 
 
 class LlamaModel(nn.Module):
