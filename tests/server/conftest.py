@@ -20,9 +20,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from tests.server.openai_helpers import API_KEY, AUTH, ENGINE, MAX_REQUEST_BYTES
@@ -180,5 +180,9 @@ def client(server) -> httpx.Client:
 
 
 @pytest.fixture
-def oai(server) -> openai.OpenAI:
+def oai(server) -> Any:
+    """A real OpenAI client on the server (imported here: the harness in this
+    file is also used by tests/bench, which need no openai)."""
+    import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
