@@ -21,11 +21,13 @@ import time
 def demo(args: argparse.Namespace) -> None:
     from tinyengine import LLM, SamplingParams
     from tinyengine.tools.smollm2 import SmolLM2BuildError, ensure_smollm2
+    from tinyengine.worker.startup import show_progress
 
     try:
         model = args.model or ensure_smollm2()
     except SmolLM2BuildError as e:  # a setup problem: one line that says what to install
         sys.exit(f"python -m tinyengine demo: {e}")
+    show_progress()  # startup announces each stage as it begins and ends
     llm = LLM(model, max_model_len=args.max_model_len)
     questions = args.prompt or [
         "What is the capital of France?",

@@ -33,7 +33,7 @@ from tinyengine.outputs import CompletionOutput, Logprob, RequestOutput
 from tinyengine.sampling_params import RequestOutputKind, SamplingParams
 from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request, RequestStatus
-from tinyengine.scheduling.scheduler import Scheduler
+from tinyengine.scheduling.scheduler import Scheduler, SchedulerOutput
 from tinyengine.tokenizer import Tokenizer
 from tinyengine.worker.startup import StartupMachine
 from tinyengine.worker.step_profile import StepProfiler
@@ -173,26 +173,76 @@ class LLMEngine:
         launched by the *previous* call: this call schedules and launches the
         next step first, so the GPU computes it while the host processes the
         previous one's tokens. A request that finished in the previous step may
-        have been scheduled once more; its extra token is dropped."""
+        have been scheduled once more; its extra token is dropped.
+
+        A step that raises drops the requests it was running (drop_failed_step)
+        and re-raises: the engine stays usable for everything else."""
         prof = self._profiler
         if prof is not None:
             prof.begin()
-        plan = self.scheduler.schedule()
-        launched = None
-        if not plan.is_empty:
-            if prof is not None:
-                prof.scheduled()
-            launched = (plan, self.runner.launch(plan))
-            if prof is not None:
-                prof.executed()
-        if self.config.async_scheduling:
-            finishing, self._inflight = self._inflight, launched
-        else:
-            finishing = launched
-        outputs = self._finish(*finishing, prof) if finishing is not None else []
+        previous = self._inflight  # async: the launched step this call finishes
+        plan = None
+        try:
+            plan = self.scheduler.schedule()
+            launched = None
+            if not plan.is_empty:
+                if prof is not None:
+                    prof.scheduled()
+                launched = (plan, self.runner.launch(plan))
+                if prof is not None:
+                    prof.executed()
+            if self.config.async_scheduling:
+                finishing, self._inflight = self._inflight, launched
+            else:
+                finishing = launched
+            outputs = self._finish(*finishing, prof) if finishing is not None else []
+        except BaseException as exc:
+            dropped = self.drop_failed_step(plan, previous[0] if previous else None)
+            if dropped:
+                more = ", ..." if len(dropped) > 8 else ""
+                exc.add_note(f"tinyengine: the step failed; its {len(dropped)} requests were "
+                             f"dropped: {', '.join(dropped[:8])}{more}")  # fmt: skip
+            raise
         if prof is not None and launched is not None:
             prof.end(plan)
         return outputs
+
+    def drop_failed_step(
+        self, plan: SchedulerOutput | None, previous: SchedulerOutput | None = None
+    ) -> list[str]:
+        """Make the engine consistent after a step raised; returns the ids of
+        the requests it dropped (aborted: blocks freed, every per-request state
+        gone), which get no further output.
+
+        A failed step leaves its requests with tokens counted as computed whose
+        K/V may be missing and with in-flight tokens that will never land; kept,
+        they would be scheduled forever. So the engine drops the requests of
+        `plan` (the step that failed; None when schedule() itself raised: then
+        every running request, as the scheduler may have touched any, and the
+        head of the queue, the one it may have been admitting) and of
+        `previous` (async scheduling: the step launched before it, discarded
+        unprocessed), and any request still counting an in-flight token.
+        Other waiting requests are kept and run on later steps. The request
+        that broke the step is among those dropped, so a caller that keeps
+        stepping (the server) makes progress instead of failing on it forever."""
+        self._inflight = None
+        self.runner.discard_inflight()
+        scheduler = self.scheduler
+        if plan is None:
+            victims = [*scheduler.running, *list(scheduler.waiting)[:1]]
+        else:
+            victims = [s.request for s in plan.scheduled]
+        if previous is not None:
+            victims += [s.request for s in previous.scheduled]
+        victims += [r for r in scheduler.requests.values() if r.num_inflight]
+        dropped: list[str] = []
+        for request in victims:
+            # By identity: a request finished during the step may have had its
+            # id reused since, by one that must not be dropped.
+            if scheduler.requests.get(request.request_id) is request:
+                self.abort_request(request.request_id)
+                dropped.append(request.request_id)
+        return dropped
 
     def _finish(self, plan, launch, prof) -> list[RequestOutput]:
         """Wait for a launched step's tokens, hand them to the scheduler, and

@@ -3,7 +3,8 @@ LLMEngine (startup runs in the constructor) and `generate` / `chat` submit a
 batch and step the engine until every request has finished.
 
 Owns only the batch bookkeeping (all-or-nothing submission, outputs in input
-order, the progress bar); everything per request lives in tinyengine/engine.py.
+order, the progress bar, and on an error none of the call's requests left in
+the engine); everything per request lives in tinyengine/engine.py.
 """
 
 from __future__ import annotations
@@ -77,11 +78,18 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         total = sum(len(g) for g in groups)
         with tqdm(total=total, desc="generate", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        final[output.request_id] = output
-                        bar.update(1)
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            final[output.request_id] = output
+                            bar.update(1)
+            except BaseException:
+                # A failed step dropped what it ran (LLMEngine.drop_failed_step);
+                # the rest of this batch goes too, so nothing of it lingers.
+                for request_id in (r for g in groups for r in g if r not in final):
+                    engine.abort_request(request_id)
+                raise
         return [_merge([final[r] for r in group]) for group in groups]
 
     def chat(

@@ -138,7 +138,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}.")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it), so a
+        # long prompt tokenized on a worker thread does not stall the server's
+        # event loop or the engine thread; one text gives the same ids.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean_up_tokenization_spaces: transformers skips it for BPE models,

@@ -7,10 +7,14 @@ Fake stages: every out-of-order transition, from every state, raises
 StartupOrderError naming the stage it needs and changes nothing; a stage that
 raises lands the machine in FAILED with its error kept; the report lists the
 stages in order with non-negative figures; capture returning None is recorded
-as skipped; each stage's result is handed to the next as an argument.
+as skipped; each stage's result is handed to the next as an argument; each
+stage logs one line as it begins and one as it ends (logger
+"tinyengine.startup"), with its seconds and what it decided.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -252,3 +256,50 @@ def test_capture_returning_none_is_recorded_as_skipped():
     assert report.captured_sizes == []
     assert "skipped: fake: no graphs" in report.table()
     assert all(not s.skipped for s in report.stages if s.name != "capture")
+
+
+# --------------------------------------------------------------------------
+# Progress: one log line as each stage begins and ends, from the machine.
+# --------------------------------------------------------------------------
+
+
+def _startup_lines(caplog) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "tinyengine.startup"]
+
+
+@pytest.mark.parametrize("capture_sizes", [None, [4, 2, 1]], ids=["skipped", "captured"])
+def test_each_stage_logs_its_start_and_end_in_order(caplog, capture_sizes):
+    caplog.set_level(logging.INFO, logger="tinyengine.startup")
+    StartupMachine(FakeStages(capture_sizes=capture_sizes)).run_all()
+    lines = _startup_lines(caplog)
+    assert all(level == logging.INFO for level, _ in lines)
+    messages = [m for _, m in lines]
+    assert len(messages) == 2 * len(ORDER), messages
+    for k, name in enumerate(ORDER):
+        start, end = messages[2 * k], messages[2 * k + 1]
+        prefix = f"startup [{k + 1}/{len(ORDER)}] {name}: "
+        assert start == prefix + "started", start
+        assert end.startswith(prefix + "done in ") and " s" in end, end
+    done = {name: messages[2 * k + 1] for k, name in enumerate(ORDER)}
+    # What each stage decided is on its line.
+    assert "77 KV blocks" in done["size_kv"]
+    assert "peak 0.0 MiB" in done["profile"]  # the fake's 12345 bytes
+    if capture_sizes is None:
+        assert "graphs skipped: fake: no graphs" in done["capture"]
+    else:
+        assert "captured 3 graphs, sizes [4, 2, 1]" in done["capture"]
+    assert "workspace locked at 2.0 MiB" in done["lock"] and "READY after" in done["lock"]
+
+
+def test_a_failing_stage_logs_its_error_and_no_end(caplog):
+    caplog.set_level(logging.INFO, logger="tinyengine.startup")
+    machine = StartupMachine(FakeStages(fail="warmup"))
+    with pytest.raises(RuntimeError):
+        machine.run_all()
+    lines = _startup_lines(caplog)
+    level, last = lines[-1]
+    assert level == logging.ERROR
+    assert last.startswith("startup [4/6] warmup: failed after ")
+    assert "RuntimeError: boom in warmup" in last
+    assert [m for _, m in lines[:-1]][-1] == "startup [4/6] warmup: started"
+    assert not any("warmup: done" in m for _, m in lines)

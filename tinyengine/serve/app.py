@@ -3,7 +3,7 @@
 Owns `create_app(settings)`: the AsyncLLMEngine's lifetime (started when the
 server starts, so /health answers at once while the model loads), the API-key
 check, the OpenAI-style error bodies for every failure (including FastAPI's
-and Starlette's own 404/405), and GET /health, /v1/models(/{id}) and /metrics.
+and Starlette's own 404/405), and GET (and HEAD) /health, /v1/models(/{id}) and /metrics.
 The generation endpoints live in generate.py, /tokenize and /detokenize in
 tokenize.py.
 
@@ -65,7 +65,7 @@ def create_app(settings: ServerSettings, engine: AsyncLLMEngine | None = None) -
     app.add_exception_handler(ClientDisconnect, _client_disconnected)
     app.add_exception_handler(Exception, _unexpected_error)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that want no body
     async def health() -> JSONResponse:
         h = engine.health()
         return JSONResponse(h.as_dict(), status_code=200 if h.ready else 503)

@@ -239,7 +239,9 @@ class AsyncLLMEngine:
     def _start_engine(self) -> bool:
         from tinyengine.config import EngineConfig
         from tinyengine.engine import LLMEngine
-        from tinyengine.worker.startup import StartupMachine
+        from tinyengine.worker.startup import StartupMachine, show_progress
+
+        show_progress()  # one line per startup stage on stderr, beside uvicorn's own
 
         start = time.perf_counter()
         try:
@@ -324,16 +326,14 @@ class AsyncLLMEngine:
             self._tracker.output(output, now)
 
     def _fail_step(self, exc: Exception) -> None:
-        """Fail what the broken step ran. The scheduler put every request it
-        scheduled into `running`; failing them (and not retrying) keeps one
-        poisonous request from failing every later step. Waiting requests are
-        untouched, unless nothing was running (then the fault is elsewhere and
-        everything is failed so the loop cannot spin on it)."""
+        """Fail what the broken step ran. The engine has already dropped those
+        requests (`LLMEngine.drop_failed_step`: blocks freed, state cleared),
+        always including the one that broke the step, so one poisonous request
+        cannot fail every later step. They are the tracked requests the
+        scheduler no longer holds (with any that finished inside the failed
+        step, whose outputs are lost); waiting requests are untouched."""
         scheduler = self._engine.scheduler
-        victims = {r.request_id for r in scheduler.running} or set(scheduler.requests)
-        # A step that broke after finishing some requests leaves live entries
-        # the scheduler no longer knows: they would wait forever.
-        victims |= {rid for rid in self._tracker.request_ids() if rid not in scheduler.requests}
+        victims = {rid for rid in self._tracker.request_ids() if rid not in scheduler.requests}
         error = RequestFailedError(f"the engine failed while running this request: {exc!r}")
         streams = {s for rid in victims if (s := self._tracker.stream_of(rid)) is not None}
         for stream in streams:

@@ -1,12 +1,18 @@
 """What every endpoint that runs the model checks first: the engine is READY
 (else 503), the body is within the size limit (else 413, counted while
 reading, so a chunked body without Content-Length is limited too), and the
-request names the served model (else 404 model_not_found).
+request names the served model (else 404 model_not_found). Also `off_loop`:
+how a handler runs work that grows with the body (parsing, tokenizing) so a
+large request does not stall every other client's.
 
 Must never: reach past the EngineClient interface (engine_client.py).
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -57,3 +63,19 @@ async def read_body(request: Request) -> bytes:
         if len(body) > limit:
             raise too_large
     return bytes(body)
+
+
+T = TypeVar("T")
+
+# Bodies above this are parsed in a worker thread: a 4 MiB body takes tens of
+# milliseconds of json and pydantic work (more for a long token-id list), and
+# on the event loop that would be every other client's wait, /health's included.
+OFF_LOOP_BYTES = 64 * 1024
+
+
+async def off_loop(size: int, fn: Callable[[], T]) -> T:
+    """`fn()`, in a worker thread when `size` (bytes or characters of input)
+    is large enough for it to stall the event loop."""
+    if size <= OFF_LOOP_BYTES:
+        return fn()
+    return await asyncio.to_thread(fn)

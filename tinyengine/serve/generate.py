@@ -28,7 +28,7 @@ from tinyengine.detokenizer import stop_string_holdback
 from tinyengine.outputs import RequestOutput
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.serve import responses as R
-from tinyengine.serve.checks import check_model, read_body, ready_engine
+from tinyengine.serve.checks import check_model, off_loop, read_body, ready_engine
 from tinyengine.serve.engine_client import (
     EngineClient,
     EngineNotReadyError,
@@ -45,7 +45,12 @@ from tinyengine.serve.protocol import (
     bad_request,
     parse_request,
 )
-from tinyengine.serve.tokenize import render_chat, require_tokenizer
+from tinyengine.serve.tokenize import (
+    check_prompt_chars,
+    encode_prompts,
+    render_chat,
+    require_tokenizer,
+)
 
 router = APIRouter()
 
@@ -73,27 +78,35 @@ class _Job:
 @router.post("/v1/completions", response_model=None)
 async def create_completion(request: Request) -> JSONResponse | StreamingResponse:
     engine = ready_engine(request)
-    req = parse_request(await read_body(request), CompletionRequest)
+    body = await read_body(request)
+    req = await off_loop(len(body), lambda: parse_request(body, CompletionRequest))
     model = check_model(engine, req.model)
     params = req.sampling_params()
-    prompts = req.prompts()
+    _check_stop_token_ids(engine, params)
+    prompts = await off_loop(len(body), req.prompts)
     job = _Job(R.new_id("cmpl"), model, False, params, req.logprobs, req.include_usage_in_stream)
     if req.echo:
-        job.echo = [_prompt_text(engine, p) for p in prompts]
+        job.echo = await off_loop(len(body), lambda: [_prompt_text(engine, p) for p in prompts])
+    prompts = await encode_prompts(engine, prompts)
     return await _generate(request, engine, prompts, job, bool(req.stream))
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(request: Request) -> JSONResponse | StreamingResponse:
     engine = ready_engine(request)
-    req = parse_request(await read_body(request), ChatCompletionRequest)
+    body = await read_body(request)
+    req = await off_loop(len(body), lambda: parse_request(body, ChatCompletionRequest))
     model = check_model(engine, req.model)
     params = req.sampling_params()
+    _check_stop_token_ids(engine, params)
     tokenizer = require_tokenizer(
         engine,
         "this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids",
         "messages",
     )
+    # The template only adds text: messages too long for max_model_len stay so.
+    num_chars = sum(m.text_length() for m in req.messages)
+    await check_prompt_chars(engine, tokenizer, num_chars, "messages")
     token_ids = await render_chat(
         tokenizer,
         req.template_messages(),
@@ -108,6 +121,17 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
         job.param_names["max_tokens"] = "max_completion_tokens"
     prompts: list[PromptType] = [{"prompt_token_ids": token_ids}]
     return await _generate(request, engine, prompts, job, bool(req.stream))
+
+
+def _check_stop_token_ids(engine: EngineClient, params: SamplingParams) -> None:
+    vocab = engine.model_info.vocab_size
+    assert vocab is not None  # known once READY, which ready_engine checked
+    outside = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
+    if outside:
+        raise bad_request(
+            f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab})",
+            "stop_token_ids",
+        )
 
 
 def _prompt_text(engine: EngineClient, prompt: PromptType) -> str:

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tinyengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -62,8 +62,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 class Strict(BaseModel):
     # strict: "5" is not an integer and 1 is not a boolean, as OpenAI's own API
-    # would say; extra="ignore": clients send fields we do not use.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # would say; extra="ignore": clients send fields we do not use;
+    # allow_inf_nan=False: JSON bodies may spell NaN and Infinity, and no float
+    # field (temperature, penalties, logit_bias values...) means anything by them.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
@@ -86,7 +88,7 @@ class _SamplingRequest(Strict):
 
     # Unknown fields are kept (model_extra) so check_supported can refuse the
     # UNSUPPORTED_EXTRAS; the rest are ignored.
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
@@ -228,11 +230,30 @@ class CompletionRequest(_SamplingRequest):
         return params
 
 
+# The roles chat templates know; any other is refused rather than rendered
+# however a template happens to treat an unknown role.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 class ChatMessage(BaseModel):
     # Extra fields (name, tool_calls, reasoning_content, ...) reach the template.
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role {role!r} is not supported; use one of {', '.join(CHAT_ROLES)}")
+        return role
+
+    def text_length(self) -> int:
+        """Characters of text this message contributes (the prompt-size bound)."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        parts = self.content or []
+        return sum(len(p["text"]) for p in parts if isinstance(p.get("text"), str))
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -317,12 +338,44 @@ def parse_body(body: bytes, cls: type[ModelT]) -> ModelT:
         return cls.model_validate_json(body)
     except ValidationError as e:
         err = e.errors()[0]
+        if err["type"] == "json_invalid" and (param := _surrogate_field(data)) is not None:
+            # Python's json read it, pydantic's (strict UTF-8) did not: a lone
+            # surrogate escape such as "\ud800", which is no Unicode character.
+            raise bad_request(
+                f"{param}: the text is not valid Unicode: it holds a lone surrogate escape "
+                "(such as \\ud800); send characters outside the BMP as a surrogate pair "
+                "or as UTF-8",
+                param,
+            ) from e
         # Drop the union-member tags pydantic puts in a location ("stop.str").
         loc = [str(part) for part in err["loc"] if not _is_type_tag(part)]
         param = loc[0] if loc else None
         where = ".".join(loc)
-        message = "field required" if err["type"] == "missing" else err["msg"]
+        message = _MESSAGES.get(err["type"], err["msg"])
+        if err["type"] == "value_error":  # our validators' own words, without pydantic's prefix
+            message = str(err.get("ctx", {}).get("error", message))
         raise bad_request(f"{where}: {message}", param) from e
+
+
+_MESSAGES = {"missing": "field required", "finite_number": "must be a finite number"}
+
+
+def _surrogate_field(data: dict[str, Any]) -> str | None:
+    """The top-level field whose text holds a lone surrogate, if any."""
+    return next((key for key, value in data.items() if _has_surrogate(value)), None)
+
+
+def _has_surrogate(value: object) -> bool:
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    return False
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _is_int(x: object) -> bool:

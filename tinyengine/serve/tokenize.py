@@ -9,9 +9,14 @@ default true) and answers {"tokens", "count", "max_model_len"}.
 /detokenize takes `tokens` and answers {"prompt"}. Bad input is a 400 naming
 the field, as everywhere else.
 
-Also owns the two tokenizer steps generate.py shares: `require_tokenizer`
-(a 400 when the model has none) and `render_chat` (messages -> token ids),
-so chat completions and /tokenize render a conversation the same way.
+Also owns the tokenizer steps generate.py shares: `require_tokenizer` (a
+400 when the model has none), `render_chat` (messages -> token ids, so chat
+completions and /tokenize render a conversation the same way) and
+`encode_prompts` (completions' text prompts -> token ids). Tokenizing,
+templating and decoding run in worker threads (the Rust tokenizer is safe to
+call from any thread), never on the event loop; before any of it, text that
+cannot fit in max_model_len tokens is refused by its length alone
+(`check_prompt_chars`), so an absurd prompt costs nothing to reject.
 
 Must never: submit anything to the engine; only the EngineClient's tokenizer
 and model info are read.
@@ -24,8 +29,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tinyengine.serve.checks import check_model, read_body, ready_engine
-from tinyengine.serve.engine_client import EngineClient
+from tinyengine.serve.checks import check_model, off_loop, read_body, ready_engine
+from tinyengine.serve.engine_client import EngineClient, PromptType
 from tinyengine.serve.protocol import ChatMessage, Strict, bad_request, parse_body
 from tinyengine.tokenizer import Tokenizer
 
@@ -48,13 +53,16 @@ class DetokenizeRequest(Strict):
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict[str, Any]:
     engine = ready_engine(request)
-    req = parse_body(await read_body(request), TokenizeRequest)
+    body = await read_body(request)
+    req = await off_loop(len(body), lambda: parse_body(body, TokenizeRequest))
     check_model(engine, req.model)
     tokenizer = require_tokenizer(engine, "this model has no tokenizer files", "model")
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
-        tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        # No length bound here: counting a too-long prompt is what /tokenize is for.
+        prompt, special = req.prompt, req.add_special_tokens
+        tokens = await off_loop(len(prompt), lambda: tokenizer.encode(prompt, special))
     else:
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
         tokens = await render_chat(tokenizer, messages, req.add_generation_prompt)
@@ -65,7 +73,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict[str, Any]:
     engine = ready_engine(request)
-    req = parse_body(await read_body(request), DetokenizeRequest)
+    body = await read_body(request)
+    req = await off_loop(len(body), lambda: parse_body(body, DetokenizeRequest))
     check_model(engine, req.model)
     vocab = engine.model_info.vocab_size
     assert vocab is not None  # known once READY, which ready_engine checked
@@ -75,7 +84,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
             f"token ids {outside[:5]} are outside the vocabulary [0, {vocab})", "tokens"
         )
     tokenizer = require_tokenizer(engine, "this model has no tokenizer files", "model")
-    return {"prompt": tokenizer.decode(req.tokens)}
+    return {"prompt": await off_loop(len(req.tokens), lambda: tokenizer.decode(req.tokens))}
 
 
 def require_tokenizer(engine: EngineClient, message: str, param: str) -> Tokenizer:
@@ -109,3 +118,77 @@ async def render_chat(
         )
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), "messages") from e
+
+
+# The floor of the characters-per-token bound. Real vocabularies go higher
+# (DeepSeek-V3's longest tokens are 128 dots or spaces, SmolLM2's 81 symbols),
+# and the bound follows them; the floor keeps a small vocabulary's bound loose.
+MIN_CHARS_PER_TOKEN = 32
+
+
+# Per tokenizer (one per server): reading a vocabulary takes ~0.1 s, once.
+_CHARS_PER_TOKEN: dict[Tokenizer, int] = {}
+
+
+def max_chars_per_token(tokenizer: Tokenizer) -> int:
+    """The most text one token can stand for: the longest vocabulary entry, in
+    symbols (byte-level BPE spells each byte as one symbol, so this counts
+    bytes, never fewer than the characters they encode), and at least
+    MIN_CHARS_PER_TOKEN. A text with more than max_model_len times this many
+    characters cannot encode to max_model_len tokens (unless a normalizer
+    deletes text, which no model tinyengine serves has)."""
+    if tokenizer in _CHARS_PER_TOKEN:
+        return _CHARS_PER_TOKEN[tokenizer]
+    longest = 1
+    for token_id in range(tokenizer.vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.convert_ids_to_tokens([token_id])[0]))
+        except ValueError:  # a gap in the ids
+            continue
+    _CHARS_PER_TOKEN[tokenizer] = max(MIN_CHARS_PER_TOKEN, longest)
+    return _CHARS_PER_TOKEN[tokenizer]
+
+
+async def check_prompt_chars(
+    engine: EngineClient, tokenizer: Tokenizer, num_chars: int, param: str
+) -> None:
+    """A 400 (naming `param`) for text too long to fit max_model_len tokens
+    whatever it says: decided by its length, before any tokenizing."""
+    max_model_len = engine.model_info.max_model_len
+    if max_model_len is None:
+        return
+    per_token = _CHARS_PER_TOKEN.get(tokenizer)
+    if per_token is None:  # the first request: read the vocabulary off the loop
+        per_token = await asyncio.to_thread(max_chars_per_token, tokenizer)
+    if num_chars > max_model_len * per_token:
+        raise bad_request(
+            f"the prompt has {num_chars} characters, more than max_model_len "
+            f"({max_model_len} tokens) can hold: no token of this model stands for more "
+            f"than {per_token} characters",
+            param,
+        )
+
+
+async def encode_prompts(
+    engine: EngineClient, prompts: list[PromptType], param: str = "prompt"
+) -> list[PromptType]:
+    """Text prompts as {"prompt": text, "prompt_token_ids": ids} (what the
+    engine's tokenizer makes of them, made here off the event loop and the
+    engine thread); token-id prompts as they are. Text too long for
+    max_model_len is a 400 first. Without a tokenizer the prompts go as they
+    are, and the engine refuses text."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not any(isinstance(p, str) for p in prompts):
+        return prompts
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            await check_prompt_chars(engine, tokenizer, len(prompt), param)
+    num_chars = sum(len(p) for p in prompts if isinstance(p, str))
+
+    def encode() -> list[PromptType]:
+        return [
+            {"prompt": p, "prompt_token_ids": tokenizer.encode(p)} if isinstance(p, str) else p
+            for p in prompts
+        ]
+
+    return await off_loop(num_chars, encode)

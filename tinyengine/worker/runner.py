@@ -368,8 +368,11 @@ class ModelRunner:
         backend = self.make_graph_backend()
         if backend is None:
             return None
+        from tqdm.auto import tqdm  # a bar over the sizes; hidden when stderr is not a TTY
+
         graphs = DecodeGraphs(backend)
-        for size in sorted(self.capture_sizes, reverse=True):  # largest first: one shared pool
+        sizes = sorted(self.capture_sizes, reverse=True)  # largest first: one shared pool
+        for size in tqdm(sizes, desc="capture graphs", unit="graph", disable=None, leave=False):
             self.write_decode_inputs(size, NO_ROWS)
             graphs.capture(size, self.decode_step(size))
         self.graphs = graphs
@@ -380,3 +383,9 @@ class ModelRunner:
     def free_request(self, request_id: str) -> None:
         self.request_sampling.free(request_id)
         self.block_table.release(request_id)
+
+    def discard_inflight(self) -> None:
+        """Forget the launched steps' sampled ids (their step failed): no later
+        step may read them as its input."""
+        self._last_sampled = None
+        self._inflight_rows = []

@@ -15,7 +15,9 @@ READY; warmup drives the runner and a scheduler of its own, worker/warmup.py).
 Profile must reach the worst case of everything that scales with the batch —
 the activations AND the workspace arena — because the arena is sized here,
 before KV sizing, and locked after capture: a shape that first appears later
-would have to grow it.
+would have to grow it. On CPU with the torch op set (a "light" startup,
+worker/warmup.py) the activation peak is not used (the KV budget is
+cpu_kv_cache_gib), so profile runs only what sizes the arena.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tinyengine.kernels import jit_monitor
 from tinyengine.models.loader import load_hf_config
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.worker.runner import ModelRunner
-from tinyengine.worker.warmup import run_warmup
+from tinyengine.worker.warmup import light_startup, run_warmup
 
 
 @dataclass
@@ -76,18 +78,30 @@ class StartupStages:
 
         # 1. The largest prefill step: max_num_batched_tokens tokens in sequences
         #    no longer than max_model_len (and no more than max_num_seqs of them).
-        mark = _memory_mark(device)
-        num_seqs = min(-(-cfg.max_num_batched_tokens // max_len), cfg.max_num_seqs)
-        q_lens = _split(min(cfg.max_num_batched_tokens, num_seqs * max_len), num_seqs)
-        hidden = runner.dummy_forward(q_lens)
-        ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
-        runner.model.compute_logits(hidden[ends], runner.ops)
-        del hidden
-        peak = _peak_since(device, mark)
+        #    Skipped by a light startup (CPU, torch op set; worker/warmup.py):
+        #    there the KV budget is cpu_kv_cache_gib, so the activation peak it
+        #    measures is never used, and it is not the arena's worst case
+        #    either — the torch ops' prefill scratch is one gathered context of
+        #    at most max_model_len tokens (attention/reference.py; MLA's
+        #    expanded prefill takes none), which step 2 asks for. It is also
+        #    the costliest forward on a CPU (tens of seconds for a 135M model).
+        peak = 0
+        if not light_startup(runner):
+            mark = _memory_mark(device)
+            num_seqs = min(-(-cfg.max_num_batched_tokens // max_len), cfg.max_num_seqs)
+            q_lens = _split(min(cfg.max_num_batched_tokens, num_seqs * max_len), num_seqs)
+            hidden = runner.dummy_forward(q_lens)
+            ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
+            runner.model.compute_logits(hidden[ends], runner.ops)
+            del hidden
+            peak = _peak_since(device, mark)
 
         # 2. The largest decode step: max_num_seqs rows, one of them at
         #    max_model_len context (eager attention scratch scales with the
-        #    longest context), then the sampler with every filter and logprobs.
+        #    longest context, MLA's decode scratch with rows x longest context),
+        #    then the sampler with every filter and logprobs. Every startup
+        #    runs it: it is the arena's worst eager request, and the lock after
+        #    capture turns any request beyond it into a WorkspaceLockedError.
         mark = _memory_mark(device)
         rows = cfg.max_num_seqs
         hidden = runner.dummy_forward([1] * rows, [max_len] + [1] * (rows - 1))

@@ -27,6 +27,7 @@ WorkspaceLockedError instead of silent corruption.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,19 @@ from typing import Any, Protocol
 
 from tinyengine.config import EngineConfig
 from tinyengine.worker.stages import StartupStages
+
+# One line as each stage begins and one as it ends (seconds, what it decided),
+# so a slow start is never silent. INFO level: shown wherever the application
+# shows INFO logs (e.g. logging.basicConfig(level=logging.INFO)).
+log = logging.getLogger("tinyengine.startup")
+
+
+def show_progress() -> None:
+    """Print the startup lines on stderr: the demo and the server call this (a
+    library user configures logging as they like). Idempotent."""
+    if not log.handlers:
+        log.setLevel(logging.INFO)
+        log.addHandler(logging.StreamHandler())
 
 
 class Stage(enum.Enum):
@@ -182,7 +196,7 @@ class StartupMachine:
             if sizes is None:
                 return None
             self.report.captured_sizes = list(sizes)
-            return f"{len(sizes)} graphs"
+            return f"{len(sizes)} graphs"  # the sizes are in report.captured_sizes
 
         self._run("capture", work)
 
@@ -222,12 +236,18 @@ class StartupMachine:
         stages.set_stage(name)
         growths_before = stages.workspace_growths()
         memory_before = stages.memory_in_use()
+        step = f"startup [{list(TRANSITIONS).index(name) + 1}/{len(TRANSITIONS)}] {name}"
+        log.info("%s: started", step)
         start = time.perf_counter()
         self.running = name
         try:
             result = work()
         except BaseException as exc:
             self.running = None
+            log.error(
+                "%s: failed after %.2f s: %s: %s",
+                step, time.perf_counter() - start, type(exc).__name__, exc,
+            )  # fmt: skip
             self.state = Stage.FAILED
             self.error = exc
             self.report.state = Stage.FAILED.value
@@ -250,3 +270,22 @@ class StartupMachine:
         self.state = reached
         self.report.state = reached.value
         stages.set_stage("serving" if reached == Stage.READY else f"after_{name}")
+        log.info("%s: done in %.2f s%s", step, self.report.stages[-1].seconds, self._decided(name))
+
+    def _decided(self, name: str) -> str:
+        """What the stage just recorded decided, for its log line."""
+        record, report = self.report.stages[-1], self.report
+        if name == "size_kv":
+            return f"; {report.num_kv_blocks} KV blocks"
+        if name == "capture":
+            if record.skipped:
+                return f"; graphs skipped: {record.note}"
+            return f"; captured {len(report.captured_sizes)} graphs, sizes {report.captured_sizes}"
+        if name == "lock":
+            total = sum(s.seconds for s in report.stages)
+            return (
+                f"; workspace locked at {record.workspace_bytes / 2**20:.1f} MiB, "
+                f"growth after KV sizing {report.workspace_growth_after_kv_sizing} B; "
+                f"READY after {total:.2f} s"
+            )
+        return f"; {record.note}" if record.note else ""

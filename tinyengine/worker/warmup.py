@@ -1,6 +1,16 @@
 """Warmup: scheduler-realistic batches through a real scheduler and the runner,
 then one eager run of every shape that will be captured.
 
+On CPU with the torch op set (`light_startup`) warmup is one small workload
+instead: two requests (greedy, and seeded top-k/top-p with logprobs) with a
+two-block prompt, one prefill step and one decode step, through the same
+scheduler and `launch`, so the scheduler, prefix-cache hashing, sampler and
+result paths have all run once before the first real request. Nothing more
+protects anything there: the torch ops compile nothing and have no tile
+classes, the arena already reached its final size in profile (its graph-shaped
+decode runs included, when the recording backend will capture), and the
+per-step cost on a CPU is seconds, not microseconds.
+
 Owns the choice of warmup workload. Requests go through a Scheduler of its own
 over the KV cache size_kv allocated, and every step through the runner's
 `launch` (inputs, forward, sampler, results to the host), so every Triton
@@ -21,25 +31,43 @@ from tinyengine.scheduling.scheduler import Scheduler
 from tinyengine.worker.runner import ModelRunner
 
 DECODE_STEPS = 3
+# The light (CPU, torch op set) workload: one request per sampling kind, a
+# prompt of two full blocks (prefix-cache hashing runs), one decode step.
+LIGHT_SEQS = 2
+LIGHT_DECODE_STEPS = 1
+LIGHT_PROMPT_BLOCKS = 2
+
+
+def light_startup(runner: ModelRunner) -> bool:
+    """Whether startup may skip the work that only GPUs or Triton kernels need:
+    on CPU with the torch op set nothing is compiled, no tile class exists,
+    and the KV budget is `cpu_kv_cache_gib` rather than measured free memory.
+    The Triton op set on CPU (the interpreter) keeps the full startup."""
+    return runner.device.type == "cpu" and runner.ops.name == "torch"
 
 
 def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
     cfg = runner.config
+    light = light_startup(runner)
+    max_seqs = min(LIGHT_SEQS, cfg.max_num_seqs) if light else cfg.max_num_seqs
     block_manager = BlockManager(num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
     scheduler = Scheduler(block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-    # As many sequences as a step allows, each with an equal share of the
-    # token budget, then a few decode steps with all of them running — all
-    # fitted to the KV cache we were given (num_kv_blocks may be tiny).
+    # As many sequences as a step allows (light: two), each with an equal
+    # share of the token budget (light: at most two blocks), then a few decode
+    # steps (light: one) with all of them running — all fitted to the KV cache
+    # we were given (num_kv_blocks may be tiny).
     capacity = num_kv_blocks * cfg.block_size
-    decode_steps = max(0, min(DECODE_STEPS, capacity - 2))
+    decode_steps = max(0, min(LIGHT_DECODE_STEPS if light else DECODE_STEPS, capacity - 2))
     prompt_len = min(
-        cfg.max_num_batched_tokens // cfg.max_num_seqs,
+        cfg.max_num_batched_tokens // max_seqs,
         runner.max_model_len - decode_steps - 1,
         capacity - decode_steps - 1,
     )
+    if light:
+        prompt_len = min(prompt_len, LIGHT_PROMPT_BLOCKS * cfg.block_size)
     prompt_len = max(prompt_len, 1)
     per_seq_blocks = block_manager.blocks_needed(prompt_len + decode_steps + 1)
-    num_seqs = min(cfg.max_num_seqs, num_kv_blocks // per_seq_blocks)
+    num_seqs = min(max_seqs, num_kv_blocks // per_seq_blocks)
     gen = torch.Generator().manual_seed(1234)
     max_tokens = decode_steps + 1  # the first token comes with the prefill
     kinds = [
@@ -79,9 +107,12 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
                 runner.dummy_forward([tokens // seqs + (i < tokens % seqs) for i in range(seqs)])
 
     # One eager run of every shape that will be captured, through the very
-    # callable the graph will capture.
-    for size in runner.graph_sizes():
-        runner.run_decode_shape(size)
+    # callable the graph will capture: it compiles the Triton kernels of each
+    # shape. The torch ops compile nothing, and profile already ran each of
+    # these shapes (the arena's size), so a light startup skips them.
+    if not light:
+        for size in runner.graph_sizes():
+            runner.run_decode_shape(size)
 
     runner.zero_kv_cache()
     runner.request_sampling.generators.clear()

@@ -1,0 +1,146 @@
+"""Startup on CPU with the torch op set (a "light" startup, worker/warmup.py):
+it does only the work that protects something there, and stays fast.
+
+- Warmup runs no would-be-captured decode size (nothing compiles; profile
+  already sized the arena for them) and sends one small workload through the
+  real scheduler and runner: one prefill step and one decode step.
+- Profile skips the worst-case prefill (its activation peak is unused on CPU)
+  but still runs the arena's worst request, so a step at max_model_len context
+  after READY grows nothing, and a larger request still raises
+  WorkspaceLockedError.
+- The Triton op set on CPU (the interpreter) keeps the full startup.
+- SmolLM2-135M with real weights reaches READY within a generous bound,
+  read from the startup report.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.hf_deepseek import make_tiny_deepseek
+from tests.hf_models import make_tiny_hf_model
+from tinyengine import LLM, SamplingParams
+from tinyengine.kernels.workspace import WorkspaceLockedError
+from tinyengine.worker.runner import ModelRunner
+
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+              print_startup_report=False)  # fmt: skip
+# Generous: ~2 s on an idle 2-core machine, ~14 s with a neighbour busy on one
+# of the two cores (docs/startup.md).
+READY_BOUND_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory) -> str:
+    return str(make_tiny_hf_model("llama", tmp_path_factory.mktemp("llama"), num_hidden_layers=2))
+
+
+@pytest.fixture(scope="module")
+def deepseek_path(tmp_path_factory) -> str:
+    return str(make_tiny_deepseek("v3", tmp_path_factory.mktemp("deepseek")))
+
+
+@pytest.fixture
+def calls(monkeypatch) -> Counter:
+    """Counts (workspace stage, what) of the runner's startup-relevant calls:
+    'decode_shape' (run_decode_shape), 'launch' (a real scheduled step),
+    'forward:<tokens>x<rows>' (dummy_forward)."""
+    seen: Counter = Counter()
+    decode_shape, launch, dummy = (
+        ModelRunner.run_decode_shape, ModelRunner.launch, ModelRunner.dummy_forward,
+    )  # fmt: skip
+
+    def spy_decode_shape(self, size):
+        seen[(self.workspace.stage, "decode_shape")] += 1
+        return decode_shape(self, size)
+
+    def spy_launch(self, plan):
+        seen[(self.workspace.stage, "launch")] += 1
+        return launch(self, plan)
+
+    def spy_dummy(self, q_lens, seq_lens=None):
+        seen[(self.workspace.stage, f"forward:{sum(q_lens)}x{len(q_lens)}")] += 1
+        return dummy(self, q_lens, seq_lens)
+
+    monkeypatch.setattr(ModelRunner, "run_decode_shape", spy_decode_shape)
+    monkeypatch.setattr(ModelRunner, "launch", spy_launch)
+    monkeypatch.setattr(ModelRunner, "dummy_forward", spy_dummy)
+    return seen
+
+
+def _in(seen: Counter, stage: str) -> dict[str, int]:
+    return {what: n for (where, what), n in seen.items() if where == stage}
+
+
+@pytest.mark.parametrize("backend", ["auto", "recording"])
+def test_cpu_warmup_runs_no_capture_size(llama_path, calls, backend):
+    llm = LLM(llama_path, **ENGINE, graph_backend=backend)
+    report = llm.startup_report()
+    assert report.state == "ready"
+    runner = llm.engine.runner
+    assert runner.device.type == "cpu" and runner.ops.name == "torch"
+    sizes = [1, 2, 4] if backend == "recording" else []
+    assert report.captured_sizes == sizes
+
+    warmup = _in(calls, "warmup")
+    assert "decode_shape" not in warmup, warmup  # no would-be-captured size runs
+    assert warmup == {"launch": 2}, warmup  # one prefill step, one decode step
+
+    # Profile: the arena's worst eager request (max_num_seqs decode rows, one
+    # at max_model_len), not the max_num_batched_tokens prefill, plus each
+    # size capture will record (the arena must hold them before the lock).
+    profile = _in(calls, "profile")
+    assert profile.pop(f"forward:{ENGINE['max_num_seqs']}x{ENGINE['max_num_seqs']}") == 1
+    assert profile == ({"decode_shape": len(sizes)} if sizes else {}), profile
+    # Capture itself grew nothing.
+    assert report.workspace_growth_after_kv_sizing == 0
+    assert {g.stage for g in runner.workspace.stats.growths} == {"profile"}
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+def test_light_profile_still_sizes_the_arena(llama_path, deepseek_path, model):
+    """After a light startup the arena holds every eager step up to
+    max_model_len context (the reference attention's one gathered context,
+    MLA's rows x longest context), and growth after the lock still raises."""
+    path = llama_path if model == "llama" else deepseek_path
+    llm = LLM(path, **ENGINE)
+    ws = llm.engine.runner.workspace
+    assert ws.locked
+    size, growths = ws.size, ws.stats.num_growths
+    longest = ENGINE["max_model_len"] - 2
+    prompts = [list(range(3, 3 + longest)), [5, 6, 7], [8] * 30, [9] * 70]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2] * 4
+    assert ws.size == size and ws.stats.num_growths == growths
+    with pytest.raises(WorkspaceLockedError, match="workspace is locked"):
+        ws.get(((size + 1,), torch.uint8))
+
+
+def test_triton_on_cpu_keeps_the_full_startup(llama_path, calls):
+    """The interpreter's Triton kernels compile per shape class: warmup still
+    runs every capture size, and profile the largest prefill."""
+    llm = LLM(llama_path, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
+              attention_backend="triton", graph_backend="recording", cuda_graph_sizes=[1, 2],
+              print_startup_report=False)  # fmt: skip
+    assert llm.startup_report().state == "ready"
+    assert _in(calls, "warmup")["decode_shape"] == 2
+    assert _in(calls, "profile").get("forward:16x1") == 1
+
+
+def test_smollm2_ready_within_bound_on_cpu(smollm2_path, caplog):
+    """`LLM(smollm2)` with its defaults (max_model_len 8192, 16 sequences,
+    a 512-token step budget) on CPU: READY within READY_BOUND_S, and every
+    stage announced as it began and ended."""
+    caplog.set_level(logging.INFO, logger="tinyengine.startup")
+    llm = LLM(smollm2_path, print_startup_report=False)
+    report = llm.startup_report()
+    assert report.state == "ready"
+    seconds = {s.name: round(s.seconds, 2) for s in report.stages}
+    assert sum(seconds.values()) <= READY_BOUND_S, seconds
+    messages = [r.getMessage() for r in caplog.records if r.name == "tinyengine.startup"]
+    assert len(messages) == 12 and "READY after" in messages[-1], messages
