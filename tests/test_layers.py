@@ -12,10 +12,10 @@ Face's `kernels`, a dependency of transformers).
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tinyengine"

@@ -19,6 +19,7 @@ anything, or keep per-request state (that lives in detokenizer.py).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -128,6 +129,13 @@ class Tokenizer:
         """Number of ids the tokenizer knows, added tokens included (HF's
         `len(tokenizer)`). A model's embedding table may be larger (padding)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most text one token can stand for: the longest vocabulary entry,
+        in symbols (byte-level BPE spells each byte as one symbol, so this is
+        never fewer than the characters the token decodes to)."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def add_bos_token(self) -> bool:

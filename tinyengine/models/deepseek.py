@@ -31,6 +31,7 @@ from torch import nn
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import (
+    DecoderStack,
     ParallelLMHead,
     PreNormDecoderLayer,
     RMSNorm,
@@ -164,7 +165,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         return self.mlp(hidden_states, ctx.ops)
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderStack):
     def __init__(self, args: DeepseekArgs, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         m = args.mla
@@ -182,16 +183,6 @@ class DeepseekModel(nn.Module):
             for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        hidden_states, _ = self.norm(hidden_states, ctx.ops, residual)
-        return hidden_states
 
 
 class DeepseekV2ForCausalLM(nn.Module):

@@ -244,6 +244,26 @@ class PreNormDecoderLayer(nn.Module):
         return self.mlp(hidden_states, ctx.ops)
 
 
+class DecoderStack(nn.Module):
+    """A model's body: embeddings -> decoder layers -> final norm, the residual
+    of the last layer added inside that norm. A subclass builds
+    `embed_tokens`, `layers` and `norm`."""
+
+    embed_tokens: VocabParallelEmbedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+        hidden_states, _ = self.norm(hidden_states, ctx.ops, residual)
+        return hidden_states
+
+
 class PagedAttention(nn.Module):
     """Writes this layer's new K/V into the paged cache, then attends over it.
 

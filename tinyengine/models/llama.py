@@ -19,6 +19,7 @@ from torch import nn
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import (
+    DecoderStack,
     MergedColumnParallelLinear,
     PagedAttention,
     ParallelLMHead,
@@ -190,7 +191,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, args: LlamaArgs, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
@@ -206,16 +207,6 @@ class LlamaModel(nn.Module):
             for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        hidden_states, _ = self.norm(hidden_states, ctx.ops, residual)
-        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

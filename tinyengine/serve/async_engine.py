@@ -224,6 +224,8 @@ class AsyncLLMEngine:
             vocab_size=engine.runner.vocab_size,
         )
         self._tokenizer = engine.tokenizer
+        if self._tokenizer is not None:
+            self._tokenizer.max_token_chars  # noqa: B018  (read the vocabulary here, not on the loop)
         self._ready.set()
         logger.info("engine ready")
         while True:

@@ -106,7 +106,7 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
     )
     # The template only adds text: messages too long for max_model_len stay so.
     num_chars = sum(m.text_length() for m in req.messages)
-    await check_prompt_chars(engine, tokenizer, num_chars, "messages")
+    check_prompt_chars(engine, tokenizer, num_chars, "messages")
     token_ids = await render_chat(
         tokenizer,
         req.template_messages(),

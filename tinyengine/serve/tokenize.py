@@ -126,30 +126,16 @@ async def render_chat(
 MIN_CHARS_PER_TOKEN = 32
 
 
-# Per tokenizer (one per server): reading a vocabulary takes ~0.1 s, once.
-_CHARS_PER_TOKEN: dict[Tokenizer, int] = {}
-
-
 def max_chars_per_token(tokenizer: Tokenizer) -> int:
-    """The most text one token can stand for: the longest vocabulary entry, in
-    symbols (byte-level BPE spells each byte as one symbol, so this counts
-    bytes, never fewer than the characters they encode), and at least
-    MIN_CHARS_PER_TOKEN. A text with more than max_model_len times this many
-    characters cannot encode to max_model_len tokens (unless a normalizer
-    deletes text, which no model tinyengine serves has)."""
-    if tokenizer in _CHARS_PER_TOKEN:
-        return _CHARS_PER_TOKEN[tokenizer]
-    longest = 1
-    for token_id in range(tokenizer.vocab_size):
-        try:
-            longest = max(longest, len(tokenizer.convert_ids_to_tokens([token_id])[0]))
-        except ValueError:  # a gap in the ids
-            continue
-    _CHARS_PER_TOKEN[tokenizer] = max(MIN_CHARS_PER_TOKEN, longest)
-    return _CHARS_PER_TOKEN[tokenizer]
+    """The bound's factor: the vocabulary's longest entry
+    (Tokenizer.max_token_chars), at least MIN_CHARS_PER_TOKEN. A text with more
+    than max_model_len times this many characters cannot encode to
+    max_model_len tokens (unless a normalizer deletes text, which no model
+    tinyengine serves has)."""
+    return max(MIN_CHARS_PER_TOKEN, tokenizer.max_token_chars)
 
 
-async def check_prompt_chars(
+def check_prompt_chars(
     engine: EngineClient, tokenizer: Tokenizer, num_chars: int, param: str
 ) -> None:
     """A 400 (naming `param`) for text too long to fit max_model_len tokens
@@ -157,9 +143,7 @@ async def check_prompt_chars(
     max_model_len = engine.model_info.max_model_len
     if max_model_len is None:
         return
-    per_token = _CHARS_PER_TOKEN.get(tokenizer)
-    if per_token is None:  # the first request: read the vocabulary off the loop
-        per_token = await asyncio.to_thread(max_chars_per_token, tokenizer)
+    per_token = max_chars_per_token(tokenizer)  # computed on the engine thread at startup
     if num_chars > max_model_len * per_token:
         raise bad_request(
             f"the prompt has {num_chars} characters, more than max_model_len "
@@ -182,7 +166,7 @@ async def encode_prompts(
         return prompts
     for prompt in prompts:
         if isinstance(prompt, str):
-            await check_prompt_chars(engine, tokenizer, len(prompt), param)
+            check_prompt_chars(engine, tokenizer, len(prompt), param)
     num_chars = sum(len(p) for p in prompts if isinstance(p, str))
 
     def encode() -> list[PromptType]:
