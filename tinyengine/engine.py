@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,11 +125,14 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         strict_max_tokens: bool = False,
+        group: Hashable = None,
     ) -> str:
         """Queue one request. A max_tokens that overshoots max_model_len is cut
         to the room left (as vLLM's offline LLM does), or, with
         strict_max_tokens, refused (the OpenAI server's rule, as vLLM's):
-        RequestLimits.max_tokens (input_processor.py) decides."""
+        RequestLimits.max_tokens (input_processor.py) decides. Requests that
+        share a `group` (one caller's prompts x n) take turns with other groups
+        for admission (scheduling/waiting_queue.py); None is the default group."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -138,7 +142,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         max_tokens = self._limits.max_tokens(token_ids, params, strict_max_tokens)
-        request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids)
+        request = Request(
+            request_id, token_ids, params, max_tokens, self.eos_token_ids, group=group
+        )
         self.scheduler.add_request(request)  # validates; raises before we keep any state
         final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         detok = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 
 from tinyengine.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ def make_request(
     eos: frozenset[int] = frozenset(),
     min_tokens: int = 0,
     stop_token_ids: list[int] | None = None,
+    group: str | None = None,
 ) -> Request:
     params = SamplingParams(
         temperature=0.0,
@@ -45,7 +47,7 @@ def make_request(
         min_tokens=min(min_tokens, max_tokens),
         stop_token_ids=stop_token_ids,
     )
-    return Request(request_id, prompt, params, max_tokens, eos)
+    return Request(request_id, prompt, params, max_tokens, eos, group=group)
 
 
 def snapshot(bm: BlockManager, *requests: Request) -> tuple:
@@ -110,6 +112,10 @@ class Sim:
         assert all(r.num_computed_tokens == 0 for r in sched.waiting)
         ids = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
         assert sorted(ids) == sorted(sched.requests), "running + waiting != requests"
+        assert len(sched.waiting) == len(list(sched.waiting))
+        per_group = Counter(r.group for r in sched.running)
+        assert sched.running_per_group == per_group, (sched.running_per_group, per_group)
+        assert all(n > 0 for n in sched.running_per_group.values())
         for r in sched.running:
             assert 0 <= r.num_computed_tokens < r.num_tokens_with_inflight, r
             if exact_blocks:

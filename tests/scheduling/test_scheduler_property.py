@@ -3,9 +3,10 @@ prefixes, prompts longer than the token budget (chunked prefill), eos and
 min_tokens, aborts between steps and while a step runs, and a KV cache small
 enough to force preemption — driven as the engine drives the scheduler
 (tests/scheduling/sim.py checks the per-step invariants and the shadow KV).
-At the end: no block leaked, admissions were FCFS, and every request that was
-not aborted generated exactly what the fake model generates for it alone
-(preemption by recompute and prefix hits are invisible in the output)."""
+At the end: no block leaked, admissions were FCFS within each group of
+requests submitted together (fair-share across groups), and every request
+that was not aborted generated exactly what the fake model generates for it
+alone (preemption by recompute and prefix hits are invisible in the output)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def workloads(draw: st.DrawFn) -> dict:
                 arrival=draw(st.integers(0, 10)),
                 abort_after=draw(st.one_of(st.none(), st.none(), st.integers(0, 25))),
                 abort_mid_step=draw(st.booleans()),
+                group=draw(st.sampled_from([None, None, "g1", "g2"])),
             )
         )
     # The biggest request must fit (add_request refuses it otherwise); little
@@ -72,6 +74,7 @@ def run_workload(w: dict) -> Sim:
             ignore_eos=eos is None,
             eos=frozenset() if eos is None else frozenset({eos}),
             min_tokens=s["min_tokens"],
+            group=s["group"],
         )
     last_arrival = max(s["arrival"] for s in w["specs"])
     aborted: set[str] = set()
@@ -106,14 +109,20 @@ def run_workload(w: dict) -> Sim:
             assert r.status == status, r
             if r.sampling_params.ignore_eos:
                 assert r.num_output_tokens == r.max_tokens
-    # FCFS: first admissions happen in arrival (add_request) order.
+    # FCFS within a group: its first admissions happen in arrival (add) order.
     first_admitted: dict[str, tuple[int, int]] = {}
     for step_no, out in enumerate(sim.history):
         for row, sr in enumerate(out.scheduled):
             first_admitted.setdefault(sr.request.request_id, (step_no, row))
     arrival_order = sorted(w["specs"], key=lambda s: s["arrival"])  # stable: add order
-    admitted = [s["request_id"] for s in arrival_order if s["request_id"] in first_admitted]
-    assert admitted == sorted(admitted, key=first_admitted.__getitem__), "FCFS violated"
+    for group in {s["group"] for s in w["specs"]}:
+        admitted = [
+            s["request_id"]
+            for s in arrival_order
+            if s["group"] == group and s["request_id"] in first_admitted
+        ]
+        assert admitted == sorted(admitted, key=first_admitted.__getitem__), "FCFS violated"
+    event(f"groups: {len({s['group'] for s in w['specs']})}")
     stats = sim.sched.stats
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hits: {stats.prefix_cache_hit_tokens > 0}")

@@ -30,6 +30,8 @@ def test_settings_from_env_parse_every_kind_of_field():
         "TINYENGINE_MAX_MODEL_LEN": "none",
         "TINYENGINE_API_KEY": "secret",
         "TINYENGINE_MAX_REQUEST_BYTES": "1000",
+        "TINYENGINE_MAX_N": "4",
+        "TINYENGINE_MAX_REQUEST_SEQUENCES": "64",
         "TINYENGINE_CACHE": "/not/an/engine/option",  # other TINYENGINE_ vars are left alone
     }
     s = ServerSettings.from_env(env)
@@ -44,9 +46,11 @@ def test_settings_from_env_parse_every_kind_of_field():
         "max_model_len": None,
     }
     assert s.api_key == "secret" and s.max_request_bytes == 1000
+    assert s.max_n == 4 and s.max_request_sequences == 64
     default = ServerSettings.from_env({})
     assert default.model == "deepseek-v3-tiny" and default.model_name == "deepseek-v3-tiny"
     assert default.api_key is None and default.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    assert default.max_n == 128 and default.max_request_sequences == 4096
 
 
 @pytest.mark.parametrize(
@@ -56,6 +60,8 @@ def test_settings_from_env_parse_every_kind_of_field():
         ({"TINYENGINE_ENFORCE_EAGER": "maybe"}, "TINYENGINE_ENFORCE_EAGER"),
         ({"TINYENGINE_HF_OVERRIDES": "[1]"}, "JSON dict"),
         ({"TINYENGINE_DTYPE": "float8"}, "EngineConfig.dtype"),
+        ({"TINYENGINE_MAX_N": "0"}, "max_n must be >= 1"),
+        ({"TINYENGINE_MAX_REQUEST_SEQUENCES": "lots"}, "TINYENGINE_MAX_REQUEST_SEQUENCES"),
     ],
 )
 def test_bad_settings_fail_at_startup_naming_the_variable(env, words):
@@ -226,3 +232,18 @@ def test_handlers_never_reach_through_the_bridge():
                 if not on_state:
                     wrong.append(f"{path.name}:{node.lineno} reads .{node.attr}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_cli_flags_set_the_fan_out_caps(monkeypatch):
+    import argparse
+
+    from tinyengine.serve.cli import add_serve_parser, settings_from_args
+
+    monkeypatch.setenv("TINYENGINE_MAX_N", "16")
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--max-request-sequences", "100"])
+    s = settings_from_args(args)
+    assert s.max_n == 16 and s.max_request_sequences == 100  # the flag over the environment
+    args = parser.parse_args(["serve", "--max-n", "2"])
+    assert settings_from_args(args).max_n == 2

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 
 from tinyengine.sampling_params import SamplingParams
 
@@ -52,6 +53,7 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
+        group: Hashable = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty (0 tokens)")
@@ -61,6 +63,9 @@ class Request:
         self.max_tokens = max_tokens  # already clipped to max_model_len by the engine
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Requests submitted together (one HTTP request's prompts x n) share a
+        # group; admission is fair across groups (waiting_queue.py).
+        self.group = group
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -11,13 +11,22 @@ request simply has `num_tokens - num_computed_tokens` tokens left to compute
 step), and the scheduler hands out at most `max_num_batched_tokens` of them:
   1. running requests first, oldest first — decode rows cost one token each, a
      chunked prefill takes what budget remains;
-  2. then waiting requests, strictly first-come-first-served, while the budget,
-     `max_num_seqs` and the free blocks allow. Their cached prefix (full blocks
-     found in the prefix cache) is skipped, not recomputed.
+  2. then waiting requests, while the budget, `max_num_seqs` and the free
+     blocks allow, in the fair order of the WaitingQueue (waiting_queue.py):
+     first-come-first-served within a group of requests submitted together,
+     the group running the fewest requests first across groups. Their cached
+     prefix (full blocks found in the prefix cache) is skipped, not recomputed.
 When a running request cannot get a block, the newest running request is
-preempted: its blocks are freed and it goes back to the head of the waiting
+preempted: its blocks are freed and it goes back to the head of its group's
 queue, to be recomputed from its tokens later. Greedy and seeded sampling make
 the resumed request produce exactly what it would have.
+
+Fair share: before anything else, a group with requests waiting and nothing
+running gets room — a slot and the blocks for its head's first chunk — taken
+from the newest running request of the group that runs the most, if that
+group runs at least two. So a small request's first token waits about one
+step, not until a request that fanned out to thousands of sequences is done;
+a group never loses its last running request this way, so nobody starves.
 
 Tokens are counted as computed when they are scheduled (as vLLM's V1 does), and
 a chunk that reaches the request's end adds one in-flight token
@@ -30,11 +39,13 @@ scheduled again.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request, RequestStatus
+from tinyengine.scheduling.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -84,8 +95,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order: oldest first
+        self.running_per_group: Counter[Hashable] = Counter()
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
@@ -116,7 +128,7 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         assert status.finished
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._remove_running(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         self.block_manager.free(request)
@@ -131,31 +143,39 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.waiting and self.running_per_group:
+            self._make_room_for_idle_groups(out)
+        fair_victims = list(out.preempted)
+        num_fair_preempted = len(fair_victims)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_output_tokens + request.num_inflight >= request.max_tokens:
+            n = min(self._tokens_to_run(request), budget)
+            if n == 0:
                 i += 1  # its last token is in flight: it finishes when that lands
                 continue
-            n = min(request.num_tokens_with_inflight - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, n, out):
                 self._schedule(out, request, n)
                 budget -= n
                 i += 1
             # else `request` preempted itself; it was the last one running.
 
-        # No admissions in a step that preempted: the freed blocks are owed to
-        # the preempted requests, now at the head of the waiting queue.
-        while (
-            not out.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
-            if request.num_inflight:
-                break  # preempted while its token was in flight: wait until it lands
+        # No admissions in a step that ran out of blocks: the freed blocks are
+        # owed to the preempted requests, now at the heads of their groups.
+        if len(out.preempted) > num_fair_preempted or not self.waiting:
+            return self._done(out)
+        admission = self.waiting.admission(self.running_per_group)
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = admission.peek()
+            if request is None:
+                break
+            if request.num_inflight or request in fair_victims:
+                # Preempted while its token was in flight: its group waits
+                # until that token lands. Or preempted for fair share this
+                # step: its group is over its share.
+                admission.skip_group()
+                continue
             # prompt_logprobs needs the logits of every prompt position, which
             # a cached block does not have: such a request computes it all.
             if request.sampling_params.prompt_logprobs is None:
@@ -165,8 +185,8 @@ class Scheduler:
             num_cached = len(hits) * self.block_manager.block_size
             n = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(request, n, hits):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the next in line
+            admission.admit()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
@@ -176,10 +196,64 @@ class Scheduler:
             self.running.append(request)
             self._schedule(out, request, n)
             budget -= n
+        return self._done(out)
 
+    def _done(self, out: SchedulerOutput) -> SchedulerOutput:
         if out.scheduled:
             self.stats.num_steps += 1
         return out
+
+    def _make_room_for_idle_groups(self, out: SchedulerOutput) -> None:
+        """Fair share (see the module docstring): for each group that waits
+        with nothing running (oldest first), preempt the newest request of the
+        group running the most until that group's head has a slot and the
+        blocks for its first chunk, beside what the running requests will take
+        this step. Prefix hits are counted as misses: it may free a little
+        more than needed, never less."""
+        bm = self.block_manager
+        reserved_slots = reserved_blocks = 0
+        for head in self.waiting.idle_group_heads(self.running_per_group):
+            if head.num_inflight:
+                continue  # not admissible until its token lands
+            need = bm.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
+            while (
+                len(self.running) + reserved_slots >= self.max_num_seqs
+                or bm.num_free_blocks - self._blocks_to_grow() - reserved_blocks < need
+            ):
+                victim = self._fair_share_victim()
+                if victim is None:
+                    return
+                self._remove_running(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+            reserved_slots += 1
+            reserved_blocks += need
+
+    def _blocks_to_grow(self) -> int:
+        """The new blocks the running requests take this step (the running
+        phase of schedule(), counted, not done)."""
+        budget, blocks = self.max_num_batched_tokens, 0
+        for request in self.running:
+            n = min(self._tokens_to_run(request), budget)
+            budget -= n
+            needed = self.block_manager.blocks_needed(request.num_computed_tokens + n)
+            blocks += max(0, needed - len(request.block_ids))
+        return blocks
+
+    def _tokens_to_run(self, request: Request) -> int:
+        """How many of a running request's tokens are left to compute; 0 when
+        its last allowed token is in flight (it finishes when that lands)."""
+        if request.num_output_tokens + request.num_inflight >= request.max_tokens:
+            return 0
+        return request.num_tokens_with_inflight - request.num_computed_tokens
+
+    def _fair_share_victim(self) -> Request | None:
+        """The newest running request of the group running the most, if that
+        group runs at least two."""
+        group, count = max(self.running_per_group.items(), key=lambda kv: kv[1], default=(None, 0))
+        if count < 2:
+            return None
+        return next(r for r in reversed(self.running) if r.group == group)
 
     @staticmethod
     def _schedule(out: SchedulerOutput, request: Request, n: int) -> None:
@@ -192,12 +266,19 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, n):
-            victim = self.running.pop()  # the newest running request
+            victim = self.running[-1]  # the newest running request
+            self._remove_running(victim)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return False
         return True
+
+    def _remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self.running_per_group[request.group] -= 1
+        if not self.running_per_group[request.group]:
+            del self.running_per_group[request.group]
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

@@ -66,6 +66,7 @@ class _Add:
     prompts: list[PromptType]
     params: list[SamplingParams]  # one per prompt
     arrival: float
+    group: str  # the HTTP request's id: its prompts x n share one fair-share group
 
 
 @dataclass
@@ -195,7 +196,7 @@ class AsyncLLMEngine:
         one = len(prompts) == 1
         ids = [request_id] if one else [f"{request_id}-{i}" for i in range(len(prompts))]
         stream = RequestStream(ids, self.abort)
-        self._post(_Add(stream, list(prompts), per_prompt, time.monotonic()))
+        self._post(_Add(stream, list(prompts), per_prompt, time.monotonic(), request_id))
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
@@ -290,7 +291,9 @@ class AsyncLLMEngine:
             ):
                 # The server's rule (OpenAI's, vLLM's): a max_tokens that does
                 # not fit beside the prompt is an error, not silently cut.
-                engine.add_request(prompt, params, request_id, strict_max_tokens=True)
+                engine.add_request(
+                    prompt, params, request_id, strict_max_tokens=True, group=add.group
+                )
                 added.append(request_id)
                 num_prompt = len(engine.states[request_id].request.prompt_token_ids)
                 self._tracker.track(request_id, stream, index, add.arrival, num_prompt)

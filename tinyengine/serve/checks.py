@@ -1,7 +1,8 @@
 """What every endpoint that runs the model checks first: the engine is READY
 (else 503), the body is within the size limit (else 413, counted while
 reading, so a chunked body without Content-Length is limited too), and the
-request names the served model (else 404 model_not_found). Also `off_loop`:
+request names the served model (else 404 model_not_found), and it fans out
+to no more sequences than the server allows (else 400 naming the cap). Also `off_loop`:
 how a handler runs work that grows with the body (parsing, tokenizing) so a
 large request does not stall every other client's.
 
@@ -17,7 +18,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from tinyengine.serve.engine_client import EngineClient
-from tinyengine.serve.protocol import APIError
+from tinyengine.serve.protocol import APIError, bad_request
 
 
 def engine_client(request: Request) -> EngineClient:
@@ -63,6 +64,27 @@ async def read_body(request: Request) -> bytes:
         if len(body) > limit:
             raise too_large
     return bytes(body)
+
+
+def check_fan_out(request: Request, num_prompts: int, n: int) -> None:
+    """One request may not take the engine: `n` and prompts x n are capped
+    (ServerSettings.max_n, .max_request_sequences). Checked before anything
+    is built per sequence."""
+    settings = request.app.state.settings
+    if n > settings.max_n:
+        raise bad_request(
+            f"n={n} is more than this server allows per prompt: max_n={settings.max_n} "
+            "(the server's TINYENGINE_MAX_N)",
+            "n",
+        )
+    if num_prompts * n > settings.max_request_sequences:
+        raise bad_request(
+            f"this request fans out to {num_prompts * n} sequences ({num_prompts} prompts x "
+            f"n={n}); this server allows at most max_request_sequences="
+            f"{settings.max_request_sequences} per request (TINYENGINE_MAX_REQUEST_SEQUENCES); "
+            "split it into several requests",
+            "n" if n > 1 else "prompt",
+        )
 
 
 T = TypeVar("T")

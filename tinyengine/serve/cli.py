@@ -39,6 +39,12 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (not on /health)")
     p.add_argument("--served-model-name", help="the model name clients send and /v1/models shows")
     p.add_argument("--max-request-bytes", type=int, help="request body limit (413 above it)")
+    p.add_argument("--max-n", type=int, help="the largest n one request may ask for (default 128)")
+    p.add_argument(
+        "--max-request-sequences",
+        type=int,
+        help="the most sequences (prompts x n) one request may fan out to (default 4096)",
+    )
     p.add_argument("--log-level", default="info")
     engine = p.add_argument_group("engine options (EngineConfig fields; also TINYENGINE_<FIELD>)")
     for name, tp in engine_option_types().items():
@@ -77,6 +83,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         served_model_name=args.served_model_name or base.served_model_name,
         api_key=args.api_key or base.api_key,
         max_request_bytes=args.max_request_bytes or base.max_request_bytes,
+        max_n=args.max_n or base.max_n,
+        max_request_sequences=args.max_request_sequences or base.max_request_sequences,
     )
 
 

@@ -28,7 +28,13 @@ from tinyengine.detokenizer import stop_string_holdback
 from tinyengine.outputs import RequestOutput
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.serve import responses as R
-from tinyengine.serve.checks import check_model, off_loop, read_body, ready_engine
+from tinyengine.serve.checks import (
+    check_fan_out,
+    check_model,
+    off_loop,
+    read_body,
+    ready_engine,
+)
 from tinyengine.serve.engine_client import (
     EngineClient,
     EngineNotReadyError,
@@ -84,6 +90,7 @@ async def create_completion(request: Request) -> JSONResponse | StreamingRespons
     params = req.sampling_params()
     _check_stop_token_ids(engine, params)
     prompts = await off_loop(len(body), req.prompts)
+    check_fan_out(request, len(prompts), params.n)
     job = _Job(R.new_id("cmpl"), model, False, params, req.logprobs, req.include_usage_in_stream)
     if req.echo:
         job.echo = await off_loop(len(body), lambda: [_prompt_text(engine, p) for p in prompts])
@@ -99,6 +106,7 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
     model = check_model(engine, req.model)
     params = req.sampling_params()
     _check_stop_token_ids(engine, params)
+    check_fan_out(request, 1, params.n)
     tokenizer = require_tokenizer(
         engine,
         "this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids",

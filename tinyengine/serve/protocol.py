@@ -97,7 +97,9 @@ class _SamplingRequest(Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(1, ge=1, le=128)  # completions per prompt (fanned out)
+    # Completions per prompt (fanned out); capped by the server's settings
+    # (max_n, max_request_sequences), checked in checks.check_fan_out.
+    n: int | None = Field(1, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored

@@ -11,6 +11,9 @@ it validates early so that a typo fails at startup, not at the first request.
     TINYENGINE_SERVED_MODEL_NAME  the name clients use (default: preset or folder name)
     TINYENGINE_API_KEY            require `Authorization: Bearer <key>` (not on /health)
     TINYENGINE_MAX_REQUEST_BYTES  request body limit; larger bodies get 413 (default 4 MiB)
+    TINYENGINE_MAX_N              the largest `n` one request may ask for (default 128, OpenAI's)
+    TINYENGINE_MAX_REQUEST_SEQUENCES  the most sequences one request may fan out to,
+                                  prompts x n (default 4096); above it, 400
     TINYENGINE_<FIELD>            any EngineConfig field, e.g. TINYENGINE_MAX_NUM_SEQS=8
 """
 
@@ -32,11 +35,22 @@ from tinyengine.models_presets import DEFAULT_MODEL, served_model_name
 ENV_PREFIX = "TINYENGINE_"
 # The server's own variables, and those other parts of tinyengine read.
 _SERVER_VARS = {ENV_PREFIX + n for n in ("MODEL", "SERVED_MODEL_NAME", "API_KEY",
-                                         "MAX_REQUEST_BYTES")}  # fmt: skip
+                                         "MAX_REQUEST_BYTES", "MAX_N",
+                                         "MAX_REQUEST_SEQUENCES")}  # fmt: skip
 _OTHER_VARS = {ENV_PREFIX + n for n in ("CACHE", "BUILD_DEVICE")}
 
 logger = logging.getLogger("tinyengine.server")
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_MAX_N = 128  # OpenAI's limit on `n`
+# Enough for a 32-prompt batch at n=128; one request beyond it would keep
+# the engine busy for minutes, and admission is fair, not preemptive-free.
+DEFAULT_MAX_REQUEST_SEQUENCES = 4096
+# The server's own integer limits (each >= 1): field -> default.
+_LIMITS = {
+    "max_request_bytes": DEFAULT_MAX_REQUEST_BYTES,
+    "max_n": DEFAULT_MAX_N,
+    "max_request_sequences": DEFAULT_MAX_REQUEST_SEQUENCES,
+}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -48,10 +62,13 @@ class ServerSettings:
     served_model_name: str | None = None
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_n: int = DEFAULT_MAX_N
+    max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
 
     def __post_init__(self) -> None:
-        if self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        for name in _LIMITS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         # Fails now, naming the option, rather than later inside the engine thread.
         EngineConfig.from_kwargs(self.model, **self.engine_kwargs)
 
@@ -72,17 +89,16 @@ class ServerSettings:
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None:
                 kwargs[name] = parse_option(ENV_PREFIX + name.upper(), raw, tp)
-        max_bytes = env.get(ENV_PREFIX + "MAX_REQUEST_BYTES")
+        limits = {}
+        for name, default in _LIMITS.items():
+            var = ENV_PREFIX + name.upper()
+            limits[name] = parse_option(var, env[var], int) if env.get(var) else default
         return cls(
             model=env.get(ENV_PREFIX + "MODEL") or DEFAULT_MODEL,
             engine_kwargs=kwargs,
             served_model_name=env.get(ENV_PREFIX + "SERVED_MODEL_NAME") or None,
             api_key=env.get(ENV_PREFIX + "API_KEY") or None,
-            max_request_bytes=(
-                parse_option(ENV_PREFIX + "MAX_REQUEST_BYTES", max_bytes, int)
-                if max_bytes
-                else DEFAULT_MAX_REQUEST_BYTES
-            ),
+            **limits,
         )
 
 
