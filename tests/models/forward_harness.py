@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tinyengine.kernels import OpSet, torch_ops
-from tinyengine.models.context import AttentionMetadata, ForwardContext
+from tinyengine.models.context import AttentionMetadata, ForwardContext, HybridCacheSpec
 from tinyengine.models.loader import load_hf_config, load_model
 
 
@@ -46,14 +46,31 @@ class PagedHarness:
         spec = model.kv_cache_spec()
         param = next(model.parameters())
         self.device = param.device  # everything follows the model (CPU or CUDA)
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim_k)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=param.dtype, device=self.device),
-                torch.zeros(shape, dtype=param.dtype, device=self.device),
-            )
-            for _ in range(model.num_attention_layers)
-        ]
+        dtype = model.lm_head.weight.dtype
+        self.kv_caches: list = []
+        if isinstance(spec, HybridCacheSpec):
+            self.kv_caches = [
+                {
+                    t.name: torch.zeros(
+                        num_blocks,
+                        t.rows_per_block(block_size),
+                        t.width,
+                        dtype=t.dtype or dtype,
+                        device=self.device,
+                    )  # fmt: skip
+                    for t in layer
+                }
+                for layer in spec.layers
+            ]
+        else:
+            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim_k)
+            self.kv_caches = [
+                (
+                    torch.zeros(shape, dtype=dtype, device=self.device),
+                    torch.zeros(shape, dtype=dtype, device=self.device),
+                )
+                for _ in range(model.num_attention_layers)
+            ]
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.free_blocks = self.free_blocks.tolist()
         self.block_tables: dict[int, list[int]] = {}

@@ -92,7 +92,7 @@ BAD_REQUESTS = [
     ),  # fmt: skip
     ("chat/completions", {"messages": []}, 400, "messages", "non-empty"),
     ("chat/completions", {"messages": "hello"}, 400, "messages", "array"),
-    ("chat/completions", {"messages": QUESTION, "n": 500}, 400, "n", "less than"),
+    ("chat/completions", {"messages": QUESTION, "n": 500}, 400, "n", "max_n=128"),
     ("chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, "max_tokens", "too large"),
     ("chat/completions", {"messages": QUESTION, "temperature": -1}, 400, "temperature", ">"),
     (

@@ -90,7 +90,7 @@ def first_token_seconds(url: str, body: dict) -> tuple[float, str]:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             piece = chunk["choices"][0]["text"] if chunk["choices"] else ""
             if piece and first is None:
                 first = time.monotonic() - start

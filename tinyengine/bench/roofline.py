@@ -172,10 +172,4 @@ def inventory_from_model(model: Any, hf_config: dict[str, Any] | None = None) ->
 
 def kv_bytes_per_token(runner: Any) -> int:
     """Cache bytes per token over all layers, from the runner's model spec."""
-    spec = runner.model.kv_cache_spec()
-    itemsize = runner.kv_caches[0][0].element_size() if runner.kv_caches else None
-    if itemsize is None:
-        import torch
-
-        itemsize = torch.empty((), dtype=runner.dtype).element_size()
-    return spec.elements_per_token() * itemsize
+    return runner.kv_bytes_per_block() // runner.block_size

@@ -45,6 +45,12 @@ class OpSet:
     # projection fused with the activation, linear_silu_mul(x, weight, bias=None)
     linear: Callable[..., torch.Tensor]
     linear_silu_mul: Callable[..., torch.Tensor]
+    # DeepSeek-V4: compressor/reference.py (write_rows, compress_windows),
+    # indexer/reference.py (indexer_topk), sparse_attention/reference.py
+    write_rows: Callable[..., None]
+    compress_windows: Callable[..., None]
+    indexer_topk: Callable[..., torch.Tensor]
+    sparse_attention: Callable[..., torch.Tensor]
     # sampling/reference.py's gumbel_argmax signature: the sampler's one-pass
     # draw. None: the sampler draws with its own torch path (worker/sampler.py).
     sample_draw: Callable[..., torch.Tensor] | None
@@ -54,11 +60,14 @@ def torch_ops() -> OpSet:
     """Torch references only: no Triton module is imported."""
     from tinyengine.kernels.activation import reference as activation
     from tinyengine.kernels.attention import reference as attention
+    from tinyengine.kernels.compressor import reference as compressor
     from tinyengine.kernels.gemv import reference as gemv
+    from tinyengine.kernels.indexer import reference as indexer
     from tinyengine.kernels.mla import reference as mla
     from tinyengine.kernels.moe import reference as moe
     from tinyengine.kernels.norm import reference as norm
     from tinyengine.kernels.rope import reference as rope
+    from tinyengine.kernels.sparse_attention import reference as sparse_attention
 
     return OpSet(
         name="torch",
@@ -71,6 +80,10 @@ def torch_ops() -> OpSet:
         silu_and_mul=activation.silu_and_mul,
         linear=gemv.linear,
         linear_silu_mul=gemv.linear_silu_mul,
+        write_rows=compressor.write_rows,
+        compress_windows=compressor.compress_windows,
+        indexer_topk=indexer.indexer_topk,
+        sparse_attention=sparse_attention.sparse_attention,
         sample_draw=None,
     )
 
@@ -94,6 +107,12 @@ def triton_ops(device_type: str) -> OpSet:
         rope_write_kv=rope.rope_write_kv_triton,
         mla_decode=mla.mla_decode,
         fused_moe=moe.fused_moe,
+        # DeepSeek-V4's ops have no Triton kernels yet: both sets run the
+        # references (eager only; V4 models capture no graphs).
+        write_rows=ref.write_rows,
+        compress_windows=ref.compress_windows,
+        indexer_topk=ref.indexer_topk,
+        sparse_attention=ref.sparse_attention,
     )
     if device_type != "cuda":
         return OpSet(

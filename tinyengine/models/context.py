@@ -65,13 +65,47 @@ class KVCacheSpec:
         return self.num_layers * self.num_kv_heads * (self.head_dim_k + self.head_dim_v)
 
 
+@dataclass(frozen=True)
+class PagedTensor:
+    """One paged tensor of one layer: per block, ceil(block_size /
+    tokens_per_row) rows of `width` values (a row per token, or one per
+    `tokens_per_row` tokens for compressed entries)."""
+
+    name: str
+    width: int
+    tokens_per_row: int = 1
+    dtype: torch.dtype | None = None  # None: the model's dtype
+
+    def rows_per_block(self, block_size: int) -> int:
+        return -(-block_size // self.tokens_per_row)
+
+
+@dataclass(frozen=True)
+class HybridCacheSpec:
+    """A cache whose layers hold different things (DeepSeek-V4: raw KV in
+    every layer; compressor state, compressed entries and indexer keys in
+    some). All are paged with the engine's one block table; the layer's
+    cache in ForwardContext.kv_caches is a dict name -> tensor
+    [num_blocks, rows_per_block, width]."""
+
+    layers: tuple[tuple[PagedTensor, ...], ...]
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return sum(
+            t.rows_per_block(block_size) * t.width * (t.dtype or dtype).itemsize
+            for layer in self.layers
+            for t in layer
+        )
+
+
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
     # One entry per attention layer: (k_cache, v_cache), each
     # [num_blocks, block_size, num_kv_heads, head_dim] (see KVCacheSpec; a
-    # latent cache passes the same tensor twice).
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # latent cache passes the same tensor twice), or a dict of named tensors
+    # (HybridCacheSpec).
+    kv_caches: list[Any]
     # Every op the model calls (torch references or Triton kernels), chosen
     # once by the engine: kernels.choose_ops(backend, device).
     ops: OpSet

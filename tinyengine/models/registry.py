@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from tinyengine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from tinyengine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tinyengine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -19,6 +20,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 

@@ -8,15 +8,63 @@ block manager's business.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from tinyengine.models.context import KVCacheSpec
+from tinyengine.models.context import HybridCacheSpec, KVCacheSpec
 
 
-def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(
+    spec: KVCacheSpec | HybridCacheSpec, block_size: int, dtype: torch.dtype
+) -> int:
     """Everything one block holds, every layer."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return block_size * spec.elements_per_token() * itemsize
+    if isinstance(spec, HybridCacheSpec):
+        return spec.bytes_per_block(block_size, dtype)
+    return block_size * spec.elements_per_token() * dtype.itemsize
+
+
+def allocate_cache(
+    spec: KVCacheSpec | HybridCacheSpec,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[Any]:
+    """Per layer, what the model's forward reads in ctx.kv_caches."""
+    if isinstance(spec, HybridCacheSpec):
+        return allocate_hybrid_cache(spec, num_blocks, block_size, dtype, device)
+    return allocate_kv_cache(spec, num_blocks, block_size, dtype, device)
+
+
+def allocate_hybrid_cache(
+    spec: HybridCacheSpec,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[dict[str, torch.Tensor]]:
+    """Zeroed, per layer {name: [num_blocks, rows_per_block, width]}."""
+    return [
+        {
+            t.name: torch.zeros(
+                num_blocks,
+                t.rows_per_block(block_size),
+                t.width,
+                dtype=t.dtype or dtype,
+                device=device,
+            )  # fmt: skip
+            for t in layer
+        }
+        for layer in spec.layers
+    ]
+
+
+def zero_cache(caches: list[Any]) -> None:
+    for layer in caches:
+        tensors = layer.values() if isinstance(layer, dict) else layer
+        for tensor in tensors:
+            tensor.zero_()
 
 
 def allocate_kv_cache(

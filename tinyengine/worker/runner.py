@@ -35,7 +35,7 @@ from tinyengine.worker.cuda_graphs import (
     default_capture_sizes,
 )
 from tinyengine.worker.input_buffers import InputBuffers, write
-from tinyengine.worker.kv_cache import allocate_kv_cache, bytes_per_block
+from tinyengine.worker.kv_cache import allocate_cache, bytes_per_block, zero_cache
 from tinyengine.worker.prompt_logprobs import prompt_logprobs
 from tinyengine.worker.request_sampling import RequestSamplingState
 from tinyengine.worker.sample_output import StepLaunch
@@ -71,7 +71,7 @@ class ModelRunner:
             config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device
         )
         self.block_table = HostBlockTable(self.max_blocks_per_seq)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[Any] = []  # per layer, as ctx.kv_caches
         self.num_kv_blocks = 0
         self.dummy_block = 0  # a reserved block that padding rows write to
         self.capture_sizes = sorted(
@@ -104,16 +104,14 @@ class ModelRunner:
         that padding rows and profile batches write into."""
         self.kv_caches = []  # release the old cache before allocating the new one
         self._decode_ctxs.clear()
-        self.kv_caches = allocate_kv_cache(
+        self.kv_caches = allocate_cache(
             self.model.kv_cache_spec(), num_blocks + 1, self.block_size, self.dtype, self.device
         )
         self.num_kv_blocks = num_blocks
         self.dummy_block = num_blocks
 
     def zero_kv_cache(self) -> None:
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.zero_()
-            v_cache.zero_()
+        zero_cache(self.kv_caches)
 
     # --- one step ---
 
@@ -342,6 +340,9 @@ class ModelRunner:
             return False
         if self.config.graph_backend != "recording" and self.device.type != "cuda":
             self.capture_skip_reason = "no CUDA device"
+            return False
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            self.capture_skip_reason = f"{type(self.model).__name__} runs eagerly"
             return False
         return True
 

@@ -5,6 +5,9 @@ implements the same signature on the GPU; this file defines the numbers.
     out[t] = sum_k topk_weights[t, k] * down_e( silu(gate_e(x_t)) * up_e(x_t) ),
              e = topk_ids[t, k]
 
+With `swiglu_limit` L (DeepSeek-V4), gate is clamped to <= L and up to
+[-L, L] before the activation.
+
 Layout:
     x             [T, D]
     w13           [E, 2I, D]   rows [gate (I rows); up (I rows)] of each expert
@@ -47,8 +50,12 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch
         raise ValueError(f"fused_moe: {topk_ids.shape[0]} routing rows for {x.shape[0]} tokens")
 
 
-def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def _expert_mlp(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, swiglu_limit: float | None = None
+) -> torch.Tensor:
     gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    if swiglu_limit is not None:
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
     return F.linear(F.silu(gate) * up, w2)
 
 
@@ -60,13 +67,14 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     workspace: Any = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """out [T, D] in x.dtype. Expert matmuls run in the weights' dtype; the
     weighted sum over a token's experts accumulates in fp32."""
     del workspace  # the reference allocates its (eager-sized) temporaries itself
     _check(x, w13, w2, topk_ids)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return _fused_moe_dense(x, w13, w2, topk_weights, topk_ids)
+        return _fused_moe_dense(x, w13, w2, topk_weights, topk_ids, swiglu_limit)
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     if num_tokens == 0:
@@ -85,7 +93,7 @@ def fused_moe(
         if count == 0:
             continue
         rows = token_of[start : start + count]
-        y = _expert_mlp(x[rows], w13[expert], w2[expert])
+        y = _expert_mlp(x[rows], w13[expert], w2[expert], swiglu_limit)
         out.index_add_(0, rows, y.float() * weight_of[start : start + count, None])
         start += count
     return out.to(x.dtype)
@@ -97,11 +105,12 @@ def _fused_moe_dense(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Every expert on every token; a token's weight for expert e is the sum
     of its top-k weights whose id is e (zero when e was not chosen)."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for expert in range(w13.shape[0]):
         weight = (topk_weights.float() * (topk_ids == expert)).sum(dim=-1, keepdim=True)
-        out += _expert_mlp(x, w13[expert], w2[expert]).float() * weight
+        out += _expert_mlp(x, w13[expert], w2[expert], swiglu_limit).float() * weight
     return out.to(x.dtype)

@@ -292,9 +292,15 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     workspace: Any = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Same contract as moe/reference.py's fused_moe; out [T, D] in x.dtype,
-    with moe_config's tiles."""
+    with moe_config's tiles. The kernel has no SwiGLU clamp yet: with
+    `swiglu_limit` (DeepSeek-V4) the reference runs (eager only)."""
+    if swiglu_limit is not None:
+        from tinyengine.kernels.moe.reference import fused_moe as reference_moe
+
+        return reference_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
     return launch_fused_moe(x, w13, w2, topk_weights, topk_ids, workspace=workspace)
 
 

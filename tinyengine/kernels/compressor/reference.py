@@ -1,0 +1,131 @@
+"""Torch reference for DeepSeek-V4's paged state and its compressor.
+
+Owns where V4's per-layer state lives in the paged cache and the numbers of
+the compression. Every tensor is paged with the engine's one block table, so
+a block's contents are a function of the tokens up to its end (what the
+prefix cache needs), whatever the chunking:
+
+    state_cache  [num_blocks, block_size, 2 * C]  per token: [kv_proj(x) | gate_proj(x)]
+                 (fp32), C = D for HCA, 2 * D for CSA and the indexer, whose
+                 windows overlap (halves Ca | Cb, see below)
+    entry_cache  [num_blocks, rows, D]  one compressed entry per window of `ratio`
+                 tokens; rows = ceil(block_size / ratio). Entry w (tokens
+                 [w * ratio, (w + 1) * ratio)) sits in the block of its LAST
+                 token, row (last % block_size) // ratio: it is written in the
+                 step that computes that token, which is when that block is
+                 still private to the request (a block is shared through the
+                 prefix cache only once full and computed).
+
+Entry w = kv_norm( sum_j softmax_j(gate_j + position_bias_j) * kv_j ), rotated
+at position w * ratio. Without overlap (HCA, ratio 128) j runs over the
+window's tokens. With overlap (CSA and its indexer, ratio 4) j runs over 2 *
+ratio slots: the previous window's tokens through their Ca half ([..., :D])
+then this window's through their Cb half ([..., D:]); window 0 has no
+previous window, its Ca slots weigh nothing. As Hugging Face's
+DeepseekV4CSACompressor / DeepseekV4HCACompressor (which carry the same
+state between calls in a cache object instead of pages).
+
+Requires ratio | block_size or block_size | ratio. Pure tensor code: never
+imports `models/` or `tinyengine/`. Loops over sequences with host lengths
+(eager only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache [num_blocks, block_size, W] <- rows [T, W] at slot_mapping [T]
+    (block * block_size + offset); negative slots are padding, skipped."""
+    flat = cache.view(-1, cache.shape[-1])
+    keep = slot_mapping >= 0
+    flat.index_copy_(0, slot_mapping[keep], rows[keep].to(cache.dtype))
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the last 2 * cos.shape[-1] channels of x (pairs
+    (2i, 2i + 1) of that slice), the rest untouched, in fp32. cos/sin
+    broadcast against x[..., :half] (a head axis gets a 1 from the caller)."""
+    rope_dim = 2 * cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
+
+
+def token_slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat per-token slots of `positions` in a sequence's block table row."""
+    return table[positions // block_size].long() * block_size + positions % block_size
+
+
+def entry_slots(
+    table: torch.Tensor, entries: torch.Tensor, ratio: int, block_size: int
+) -> torch.Tensor:
+    """Flat rows of compressed entries `entries` (see the module docstring)."""
+    rows = -(-block_size // ratio)
+    last = (entries + 1) * ratio - 1
+    return table[last // block_size].long() * rows + (last % block_size) // ratio
+
+
+def check_ratio(ratio: int, block_size: int) -> None:
+    if ratio % block_size and block_size % ratio:
+        raise ValueError(
+            f"block_size={block_size} and the compression ratio {ratio} must divide one "
+            "another (compressed entries are paged per block)"
+        )
+
+
+def compress_windows(
+    state_cache: torch.Tensor,
+    entry_cache: torch.Tensor,
+    attn: Any,
+    *,
+    ratio: int,
+    overlap: bool,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+) -> None:
+    """Write every entry whose window this step completes. The step's
+    per-token state must already be in state_cache. `attn` is the step's
+    AttentionMetadata; cos_sin [positions, rope_dim] is the [cos | sin] table
+    of the compressed branch's rotary."""
+    block_size = state_cache.shape[1]
+    check_ratio(ratio, block_size)
+    dim = entry_cache.shape[-1]
+    flat_state = state_cache.view(-1, state_cache.shape[-1])
+    flat_entries = entry_cache.view(-1, dim)
+    starts = attn.query_start_loc_cpu
+    for i, end in enumerate(attn.seq_lens_cpu):
+        start = end - (starts[i + 1] - starts[i])
+        if end // ratio <= start // ratio:
+            continue  # no window ends in this step's tokens
+        device = state_cache.device
+        windows = torch.arange(start // ratio, end // ratio, device=device)
+        table = attn.block_tables[i]
+        span = 2 * ratio if overlap else ratio
+        first = (windows - 1) * ratio if overlap else windows * ratio
+        positions = first[:, None] + torch.arange(span, device=device)  # [n, span]
+        slots = token_slots(table, positions.clamp(min=0), block_size)
+        kv, gate = flat_state[slots].float().chunk(2, dim=-1)  # [n, span, C] each
+        bias = position_bias.float()
+        if overlap:
+            kv = torch.cat([kv[:, :ratio, :dim], kv[:, ratio:, dim:]], dim=1)
+            gate = torch.cat(
+                [gate[:, :ratio, :dim] + bias[:, :dim], gate[:, ratio:, dim:] + bias[:, dim:]],
+                dim=1,
+            )
+            gate = gate.masked_fill((positions < 0)[..., None], float("-inf"))
+        else:
+            gate = gate + bias
+        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)  # [n, D]
+        pooled = pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + eps)
+        pooled = norm_weight.float() * pooled
+        cos, sin = cos_sin[windows * ratio].float().chunk(2, dim=-1)
+        pooled = rope_tail(pooled, cos, sin)
+        rows = entry_slots(table, windows, ratio, block_size)
+        flat_entries.index_copy_(0, rows, pooled.to(entry_cache.dtype))

@@ -1,0 +1,62 @@
+"""Torch reference for DeepSeek-V4's lightning indexer (CSA layers).
+
+For a query at position p, the visible compressed entries are w < (p + 1) //
+ratio (their windows are complete). Each gets the score
+
+    score[w] = scale * sum_h weight[h] * relu(q[h] . key[w])
+
+(q: the indexer's rotated query heads; key: its compressed keys, paged as in
+compressor/reference.py; weight: weights_proj(x) / sqrt(heads)) and the query
+keeps the `topk` best, ties to the lower entry id. As Hugging Face's
+DeepseekV4Indexer (whose torch.topk leaves ties unspecified): at most
+min(topk, entries after this step) per query, future entries never, slots
+beyond what a query may see filled with -1.
+
+Pure tensor code; loops over sequences with host lengths (eager only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tinyengine.kernels.compressor.reference import entry_slots
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_cache: torch.Tensor,
+    attn: Any,
+    *,
+    ratio: int,
+    topk: int,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """q [T, H, Di], weights [T, H] fp32, key_cache [num_blocks, rows, Di]
+    -> int64 [T, topk] entry indices per query, -1 where none."""
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    flat = key_cache.view(-1, key_cache.shape[-1])
+    starts = attn.query_start_loc_cpu
+    for i, end in enumerate(attn.seq_lens_cpu):
+        lo, hi = starts[i], starts[i + 1]
+        num_entries = end // ratio
+        if num_entries == 0 or hi == lo:
+            continue
+        entries = torch.arange(num_entries, device=q.device)
+        keys = flat[entry_slots(attn.block_tables[i], entries, ratio, block_size)].float()
+        scores = torch.relu(torch.einsum("thd,nd->thn", q[lo:hi].float(), keys)) * scale
+        scores = (scores * weights[lo:hi, :, None].float()).sum(dim=1)  # [q_len, n]
+        positions = torch.arange(end - (hi - lo), end, device=q.device)
+        visible = entries[None, :] < ((positions + 1) // ratio)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(topk, num_entries)
+        # Equal scores (all heads' ReLUs at 0 give exact zeros) go to the
+        # lower entry id: a stable sort, so the choice never depends on how
+        # many entries the row happens to hold.
+        values, order = scores.sort(dim=-1, descending=True, stable=True)
+        chosen = torch.where(values[:, :k] == float("-inf"), -1, order[:, :k])
+        out[lo:hi, :k] = chosen
+    return out

@@ -1,0 +1,228 @@
+"""DeepSeek-V4 attention: its two rotaries, the KV compressor, the lightning
+indexer, and the attention block over a sliding window plus compressed
+entries.
+
+Per layer type (config.json `layer_types`):
+  sliding_attention             the last `sliding_window` raw KV rows
+  compressed_sparse_attention   (CSA) + compressed entries, one per 4 tokens from
+                                overlapping windows, of which the indexer keeps
+                                the top `index_topk` per query
+  heavily_compressed_attention  (HCA) + every compressed entry, one per 128 tokens
+The KV is one head shared by all query heads, K = V; the rope slice is the
+last qk_rope_head_dim channels, rotated in interleaved pairs; the output's
+rope slice is rotated back (so each value contributes by relative position);
+a learned sink per head joins every softmax. The output projection is
+grouped: a block-diagonal o_a_proj over `o_groups` head groups, then o_b_proj.
+
+Owns the module structure (parameter names mirror Hugging Face's
+DeepseekV4Attention, so HF-named checkpoints load as they are) and what each
+layer keeps in its paged cache (`cache_tensors`). The arithmetic over pages
+is the op set's (kernels/compressor, indexer, sparse_attention). Modules HF
+keeps in fp32 (compressor and indexer projections and position biases, the
+sinks) are fp32 here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tinyengine.kernels.compressor.reference import rope_tail
+from tinyengine.models.context import ForwardContext, PagedTensor
+from tinyengine.models.layers import ReplicatedLinear, RMSNorm, default_weight_loader
+from tinyengine.models.rotary import RopeCache, rope_frequencies
+
+SLIDING, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+LAYER_TYPES = (SLIDING, CSA, HCA)
+
+
+@dataclass(frozen=True)
+class V4AttentionDims:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rms_norm_eps: float
+
+
+def fp32_param(*shape: int) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+    param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return param
+
+
+class Fp32Linear(nn.Module):
+    """A bias-free projection HF keeps in fp32: fp32 weight, fp32 result."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = fp32_param(output_size, input_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.weight.t()
+
+
+class V4Rotary(RopeCache):
+    """cos/sin of one of V4's two rope types ("main": default RoPE for sliding
+    layers; "compress": YaRN for CSA/HCA layers, their compressors and the
+    indexer), applied to the last rope_dim channels in interleaved pairs."""
+
+    def __init__(self, rope_dim: int, params: dict[str, Any], max_positions: int) -> None:
+        super().__init__()
+        inv_freq, attention_factor = rope_frequencies(rope_dim, params, max_positions)
+        self._init_cache(inv_freq, attention_factor, max_positions, torch.float32)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        return cos, sin
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False):
+        """x [T, D] or [T, H, D]: the rope slice rotated by `positions` (back, if inverse)."""
+        cos, sin = self.cos_sin(positions)
+        if x.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        return rope_tail(x, cos, -sin if inverse else sin)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's DeepseekV4UnweightedRMSNorm: x * rsqrt(mean(x^2) + eps), the
+    factor computed in fp32 and cast to x's dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class V4Compressor(nn.Module):
+    """One compressed entry per `ratio` tokens (kernels/compressor). With
+    `overlap` (CSA and the indexer) each token projects to 2 * dim: the halves
+    feed this window's entry and the next one's."""
+
+    def __init__(self, hidden_size: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.ratio, self.overlap, self.eps = dim, ratio, overlap, eps
+        self.kv_proj = Fp32Linear(hidden_size, width)
+        self.gate_proj = Fp32Linear(hidden_size, width)
+        self.position_bias = fp32_param(ratio, width)
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def cache_tensors(self, prefix: str) -> tuple[PagedTensor, ...]:
+        width = 2 * self.dim if self.overlap else self.dim
+        return (
+            PagedTensor(f"{prefix}state", 2 * width, dtype=torch.float32),
+            PagedTensor(f"{prefix}entries", self.dim, tokens_per_row=self.ratio),
+        )
+
+    def update(self, x: torch.Tensor, cache: dict, prefix: str, ctx: ForwardContext,
+               rotary: V4Rotary) -> None:  # fmt: skip
+        """Page this step's per-token state, then write the entries it completes."""
+        state = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
+        ctx.ops.write_rows(cache[f"{prefix}state"], state, ctx.attn.slot_mapping)
+        ctx.ops.compress_windows(
+            cache[f"{prefix}state"], cache[f"{prefix}entries"], ctx.attn,
+            ratio=self.ratio, overlap=self.overlap, position_bias=self.position_bias,
+            norm_weight=self.kv_norm.weight, eps=self.eps, cos_sin=rotary.cos_sin_cache,
+        )  # fmt: skip
+
+
+class V4IndexerScorer(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = Fp32Linear(hidden_size, num_heads)
+
+
+class V4Indexer(V4Compressor):
+    """The lightning indexer (CSA): its own compressor at index_head_dim, and
+    queries from the q-LoRA residual scored against its compressed keys."""
+
+    def __init__(self, d: V4AttentionDims, ratio: int) -> None:
+        super().__init__(d.hidden_size, d.index_head_dim, ratio, True, d.rms_norm_eps)
+        self.num_heads, self.topk = d.index_n_heads, d.index_topk
+        self.q_b_proj = ReplicatedLinear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, False)
+        self.scorer = V4IndexerScorer(d.hidden_size, d.index_n_heads)
+
+    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+               cache: dict, ctx: ForwardContext, rotary: V4Rotary) -> torch.Tensor:  # fmt: skip
+        """[T, index_topk] entry ids per query (-1: none)."""
+        self.update(x, cache, "index_", ctx, rotary)
+        q = self.q_b_proj(q_residual, ctx.ops).view(x.shape[0], self.num_heads, self.dim)
+        q = rotary.rotate(q, positions)
+        weights = self.scorer.weights_proj(x) * self.num_heads**-0.5
+        return ctx.ops.indexer_topk(
+            q, weights, cache["index_entries"], ctx.attn, ratio=self.ratio, topk=self.topk,
+            scale=self.dim**-0.5, block_size=cache["kv"].shape[1],
+        )  # fmt: skip
+
+
+class V4Attention(nn.Module):
+    def __init__(self, d: V4AttentionDims, layer_idx: int, layer_type: str, ratio: int,
+                 rotary: V4Rotary) -> None:  # fmt: skip
+        super().__init__()
+        self.d, self.layer_idx, self.layer_type, self.ratio = d, layer_idx, layer_type, ratio
+        self.rotary = rotary  # shared with the other layers of its rope type
+        h, hd = d.num_heads, d.head_dim
+        self.q_a_proj = ReplicatedLinear(d.hidden_size, d.q_lora_rank, False)
+        self.q_a_norm = RMSNorm(d.q_lora_rank, d.rms_norm_eps)
+        self.q_b_proj = ReplicatedLinear(d.q_lora_rank, h * hd, False)
+        self.kv_proj = ReplicatedLinear(d.hidden_size, hd, False)
+        self.kv_norm = RMSNorm(hd, d.rms_norm_eps)
+        # Block-diagonal: group g maps its heads' h * hd / G channels to o_lora_rank.
+        self.o_a_proj = ReplicatedLinear(h * hd // d.o_groups, d.o_groups * d.o_lora_rank, False)
+        self.o_b_proj = ReplicatedLinear(d.o_groups * d.o_lora_rank, d.hidden_size, False)
+        self.sinks = fp32_param(h)
+        self.compressor: V4Compressor | None = None
+        if layer_type != SLIDING:
+            self.compressor = V4Compressor(
+                d.hidden_size, hd, ratio, overlap=layer_type == CSA, eps=d.rms_norm_eps
+            )
+            if layer_type == CSA:
+                self.compressor.indexer = V4Indexer(d, ratio)
+
+    def cache_tensors(self) -> tuple[PagedTensor, ...]:
+        tensors = (PagedTensor("kv", self.d.head_dim),)
+        if self.compressor is not None:
+            tensors += self.compressor.cache_tensors("")
+            if self.layer_type == CSA:
+                tensors += self.compressor.indexer.cache_tensors("index_")
+        return tensors
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        d, ops, attn = self.d, ctx.ops, ctx.attn
+        cache = ctx.kv_caches[self.layer_idx]
+        num_tokens = x.shape[0]
+        q_residual = self.q_a_norm(self.q_a_proj(x, ops), ops)
+        q = self.q_b_proj(q_residual, ops).view(num_tokens, d.num_heads, d.head_dim)
+        q = self.rotary.rotate(unweighted_rms_norm(q, d.rms_norm_eps), positions)
+        kv = self.rotary.rotate(self.kv_norm(self.kv_proj(x, ops), ops), positions)
+        ops.write_rows(cache["kv"], kv, attn.slot_mapping)
+        topk = None
+        if self.compressor is not None:
+            self.compressor.update(x, cache, "", ctx, self.rotary)
+            if self.layer_type == CSA:
+                topk = self.compressor.indexer.select(
+                    x, q_residual, positions, cache, ctx, self.rotary
+                )
+        out = ops.sparse_attention(
+            q, cache["kv"], attn, window=d.sliding_window, sinks=self.sinks,
+            scale=d.head_dim**-0.5, entry_cache=cache.get("entries"), ratio=self.ratio,
+            topk_indices=topk,
+        )  # fmt: skip
+        out = self.rotary.rotate(out, positions, inverse=True)
+        grouped = out.view(num_tokens, d.o_groups, -1)
+        weight = self.o_a_proj.weight.view(d.o_groups, d.o_lora_rank, -1)
+        out = torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1)
+        return self.o_b_proj(out, ops)
