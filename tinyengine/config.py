@@ -14,6 +14,7 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 _DEVICES = ("auto", "cpu", "cuda")
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _BACKENDS = ("auto", "torch", "triton")
 _GRAPH_BACKENDS = ("auto", "cuda", "recording", "none")
 
@@ -54,6 +55,11 @@ class EngineConfig:
     # "triton" the Triton kernels; "auto": triton on CUDA, torch on CPU.
     attention_backend: str = "auto"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # Where the weights come from (vLLM's name and values): "safetensors",
+    # "dummy" (seeded random weights made on the device, nothing read;
+    # models/dummy_weights.py), or "auto": safetensors, unless the folder is
+    # a dummy-weight preset.
+    load_format: str = "auto"
     # Decode batch sizes to capture as CUDA graphs; None: 1, 2, 4, 8, then
     # every 8 up to max_num_seqs.
     cuda_graph_sizes: list[int] | None = None
@@ -110,6 +116,8 @@ class EngineConfig:
             raise bad("dtype", f"must be one of {_DTYPES}")
         if self.device not in _DEVICES:
             raise bad("device", f"must be one of {_DEVICES}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise bad("load_format", f"must be one of {_LOAD_FORMATS}")
         if self.attention_backend not in _BACKENDS:
             raise bad("attention_backend", f"must be one of {_BACKENDS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

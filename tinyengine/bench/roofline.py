@@ -171,5 +171,9 @@ def inventory_from_model(model: Any, hf_config: dict[str, Any] | None = None) ->
 
 
 def kv_bytes_per_token(runner: Any) -> int:
-    """Cache bytes per token over all layers, from the runner's model spec."""
-    return runner.kv_bytes_per_block() // runner.block_size
+    """Cache bytes per token over all layers, from the runner's model spec
+    (over a block long enough that compressed entries count at their rate)."""
+    from tinyengine.worker.kv_cache import bytes_per_block
+
+    tokens = 1024
+    return bytes_per_block(runner.model.kv_cache_spec(), tokens, runner.dtype) // tokens

@@ -187,6 +187,7 @@ class V4Router(nn.Module):
             self.tid2eid = nn.Parameter(
                 torch.zeros(args.vocab_size, cfg.top_k, dtype=torch.long), requires_grad=False
             )
+            self.tid2eid.value_range = (0, cfg.num_experts)  # type: ignore[attr-defined]
         else:
             self.e_score_correction_bias = fp32_param(cfg.num_experts)
 

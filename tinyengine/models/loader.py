@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tinyengine.models.dummy_weights import DUMMY_MARKER, init_dummy_weights
 from tinyengine.models.layers import default_weight_loader
 from tinyengine.models.registry import get_model_class
 
@@ -65,16 +66,27 @@ def load_model(
     hf_config: dict[str, Any],
     dtype: torch.dtype,
     device: str | torch.device,
+    load_format: str = "auto",
 ) -> nn.Module:
     """Build the model named by hf_config["architectures"][0] directly on
-    `device` in `dtype` and fill every parameter from the checkpoint."""
+    `device` in `dtype` and fill every parameter: from the checkpoint
+    ("safetensors"), or seeded random values ("dummy", models/dummy_weights.py).
+    "auto" is safetensors, or dummy for a folder marked as having no weights
+    by design (a dummy-weight preset)."""
     folder = Path(model_path)
     model_cls = get_model_class(hf_config)
+    if load_format == "auto":
+        load_format = "dummy" if (folder / DUMMY_MARKER).is_file() else "safetensors"
+    if load_format not in ("safetensors", "dummy"):
+        raise ValueError(f"load_format={load_format!r}: choose auto, safetensors or dummy")
     # Find the weights before building: a pickle-only folder fails fast.
-    weight_map = checkpoint_weight_map(folder)
+    weight_map = checkpoint_weight_map(folder) if load_format == "safetensors" else {}
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config)
-    load_weights(model, folder, weight_map, num_hidden_layers=hf_config["num_hidden_layers"])
+    if load_format == "dummy":
+        init_dummy_weights(model, float(hf_config.get("initializer_range") or 0.02))
+    else:
+        load_weights(model, folder, weight_map, num_hidden_layers=hf_config["num_hidden_layers"])
     return model.eval()
 
 
@@ -94,7 +106,10 @@ def checkpoint_weight_map(folder: Path) -> dict[str, str]:
                 "Convert them to safetensors (e.g. transformers' "
                 "from_pretrained(...).save_pretrained(out_dir)) and point `model` at the result"
             )
-        raise ValueError(f"no *.safetensors weights found in {folder}")
+        raise ValueError(
+            f"no *.safetensors weights found in {folder}; for seeded random weights "
+            "(speed and memory runs) pass load_format='dummy'"
+        )
     # Without an index only the headers name the tensors; safe_open reads just
     # the header, so tensors of dropped layers are still never read.
     weight_map: dict[str, str] = {}

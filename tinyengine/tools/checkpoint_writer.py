@@ -61,10 +61,14 @@ class CheckpointBuildError(RuntimeError):
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    init: str  # "normal" (std = initializer_range), "norm" (~1), "bias" (~0)
+    # "normal" (std = initializer_range), "norm" (~1), "bias" (~0), or
+    # "expert_ids": int64 [rows, k], k distinct ids in [0, high) per row (a
+    # hash router's token -> experts table).
+    init: str
+    high: int = 0
 
     def nbytes(self, itemsize: int) -> int:
-        n = itemsize
+        n = 8 if self.init == "expert_ids" else itemsize
         for s in self.shape:
             n *= s
         return n
@@ -111,6 +115,10 @@ def generate(
     On CUDA the numbers are drawn (and cast) on the GPU and copied back once."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
+    if spec.init == "expert_ids":
+        rows, k = spec.shape
+        noise = torch.rand(rows, spec.high, generator=gen, device=device)
+        return noise.argsort(dim=-1)[:, :k].to(torch.int64).contiguous().cpu()
     out = torch.empty(spec.shape, dtype=dtype, device=device)
     flat = out.view(-1)
     for start in range(0, flat.numel(), _GEN_CHUNK):
@@ -233,7 +241,7 @@ def _write_files(out: Path, config: dict[str, Any], specs: list[TensorSpec],
     itemsize = torch.empty((), dtype=dtype).element_size()
     write_tokenizer(out, tokenizer)  # first: fails fast when the package is missing
 
-    shards = plan_shards(specs, itemsize, shard_size)
+    shards = plan_shards(specs, itemsize, shard_size) if specs else []  # none: dummy weights
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     total = sum(s.nbytes(itemsize) for s in specs)
     std = float(config.get("initializer_range", 0.02))
@@ -250,8 +258,9 @@ def _write_files(out: Path, config: dict[str, Any], specs: list[TensorSpec],
     bar.close()
     if device == "cuda":
         torch.cuda.empty_cache()  # hand the generator's scratch back to whoever runs next
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    _write_json(out / "model.safetensors.index.json", index)
+    if specs:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(out / "model.safetensors.index.json", index)
     _write_json(out / "config.json", config)
     generation = generation_config or {
         "bos_token_id": config["bos_token_id"],

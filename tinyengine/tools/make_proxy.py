@@ -292,10 +292,12 @@ def ensure_preset(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tinyengine.tools import make_dense
+    from tinyengine.tools import make_dense, make_v4
 
     builders = {name: (write_proxy, ensure_preset, preset_config) for name in PRESETS}
     builders.update(make_dense.builders())
+    builders.update({name: (make_v4.write_v4, make_v4.ensure_preset, make_v4.preset_config)
+                     for name in make_v4.PRESETS})  # fmt: skip
     return run_cli(argv, __doc__.split("\n\n")[0], builders)
 
 

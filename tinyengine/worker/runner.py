@@ -91,7 +91,9 @@ class ModelRunner:
     # --- stage work: load, KV cache ---
 
     def load_model(self) -> None:
-        self.model = load_model(self.config.model, self.hf_config, self.dtype, self.device)
+        self.model = load_model(
+            self.config.model, self.hf_config, self.dtype, self.device, self.config.load_format
+        )
         for module in self.model.modules():  # max_model_len may pass the model's positions
             if isinstance(module, RopeCache):
                 module.cover_positions(self.max_model_len)
