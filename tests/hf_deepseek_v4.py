@@ -17,8 +17,9 @@ TINY_V4: dict[str, Any] = dict(
     n_routed_experts=8, n_shared_experts=1,
     layer_types=["sliding_attention", "compressed_sparse_attention",
                  "heavily_compressed_attention", "compressed_sparse_attention"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=2, hc_sinkhorn_iters=5,
+    # The spellings every transformers with V4 reads (5.25 folds them into
+    # compress_rates / mlp_layer_types).
+    compress_rate_csa=4, compress_rate_hca=8, num_hash_layers=1, hc_mult=2, hc_sinkhorn_iters=5,
     sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16,
     index_topk=3, max_position_embeddings=512, partial_rotary_factor=0.25,
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,

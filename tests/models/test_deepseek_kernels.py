@@ -184,11 +184,16 @@ def test_op_sets_hold_their_own_implementations():
 
     fields = [f.name for f in dataclasses.fields(OpSet) if f.name != "name"]
     torch_set, cuda_set, cpu_set = torch_ops(), triton_ops("cuda"), triton_ops("cpu")
+    # DeepSeek-V4's ops have no Triton kernels yet: both sets hold the references.
+    reference_only = ("write_rows", "compress_windows", "indexer_topk", "sparse_attention")
     assert torch_set.sample_draw is None
     for name in fields:
         op = getattr(torch_set, name)
         assert op is None or op.__module__.endswith(".reference"), (name, op.__module__)
         triton_op = getattr(cuda_set, name)
+        if name in reference_only:
+            assert triton_op is op and getattr(cpu_set, name) is op, name
+            continue
         assert triton_op.__module__.split(".")[-1] in ("triton", "silu"), (name, triton_op)
     for name in ("write_kv_cache", "paged_attention", "rope_write_kv", "mla_decode", "fused_moe"):
         assert getattr(cpu_set, name) is getattr(cuda_set, name)

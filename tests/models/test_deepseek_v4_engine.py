@@ -4,8 +4,8 @@ learned routing, hc_mult 2), fp32 on CPU: greedy tokens identical to HF
 generations that cross many sliding-window (8) and compression (4 and 8)
 boundaries, under every engine configuration that changes how the work is
 done: chunks that end anywhere, preemption by recompute, prefix-cache hits,
-no prefix cache, other block sizes, asynchronous scheduling. Every run ends
-with every block free."""
+no prefix cache, other block sizes, asynchronous scheduling, the Triton op
+set. Every run ends with every block free."""
 
 from __future__ import annotations
 
@@ -73,6 +73,10 @@ CONFIGS = {
     "block4_no_prefix_cache": {"block_size": 4, "enable_prefix_caching": False},
     "block32": {"block_size": 32},  # above both ratios: several entries per block
     "async": {"async_scheduling": True, "max_num_seqs": 3},
+    # The Triton op set (the interpreter on CPU): V4's ops are references in
+    # both sets, and profile runs eager decode batches instead of the
+    # graph-shaped ones this model never takes.
+    "triton": {"attention_backend": "triton", "max_num_seqs": 4},
 }
 
 

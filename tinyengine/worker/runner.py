@@ -362,7 +362,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run_decode_shape(self, size: int) -> torch.Tensor:
         """One eager run of the graph-shaped decode step of `size` padding rows
-        (profile and warmup use it to size scratch and compile kernels)."""
+        (profile and warmup use it to size scratch and compile kernels). A
+        model that runs eagerly only never takes that shape: its decode
+        steps have host lengths, and the worst of them, `size` rows at
+        max_model_len context, runs instead."""
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            return self.dummy_forward([1] * size, [self.max_model_len] * size)
         self.write_decode_inputs(size, NO_ROWS)
         return self.decode_step(size)()
 
