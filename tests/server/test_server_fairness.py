@@ -6,13 +6,13 @@ server:app` with nothing configured: the embedded default model
   start, once the model is built (docs/startup.md has the real figure).
 - One request cannot take the engine: n and prompts x n are capped by the
   server's settings with a 400 naming the cap; and while a request that fans
-  out to 4,000 sequences runs, a one-prompt request gets its first token
-  within a few seconds, and both finish with the right outputs.
+  out to 4,000 sequences runs, a one-prompt request streamed through the
+  official openai client gets its first token within a few seconds, and both
+  finish with the right outputs.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -59,11 +59,16 @@ def completion(url: str, **body) -> httpx.Response:
 
 
 def test_fan_out_caps_answer_400_naming_the_cap(readme_server):
+    import openai
+
     url = readme_server.url
-    r = completion(url, prompt="hi", n=DEFAULT_MAX_N + 1, max_tokens=1)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == "n" and f"max_n={DEFAULT_MAX_N}" in err["message"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match=f"max_n={DEFAULT_MAX_N}") as caught:
+        client.chat.completions.create(
+            model="deepseek-v3-tiny", n=DEFAULT_MAX_N + 1, max_tokens=1,
+            messages=[{"role": "user", "content": "hi"}],
+        )  # fmt: skip
+    assert caught.value.body["param"] == "n"
 
     prompts = [f"p{i}" for i in range(DEFAULT_MAX_REQUEST_SEQUENCES // DEFAULT_MAX_N + 1)]
     r = completion(url, prompt=prompts, n=DEFAULT_MAX_N, max_tokens=1)
@@ -81,20 +86,18 @@ def test_fan_out_caps_answer_400_naming_the_cap(readme_server):
 
 
 def first_token_seconds(url: str, body: dict) -> tuple[float, str]:
-    """Stream `body`; the seconds until the first text arrives, and the text."""
+    """Stream `body` through the official openai client; the seconds until
+    the first text arrives, and the whole text."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     start = time.monotonic()
     first, text = None, ""
-    with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True),
-                      timeout=600) as r:  # fmt: skip
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            piece = chunk["choices"][0]["text"] if chunk["choices"] else ""
-            if piece and first is None:
-                first = time.monotonic() - start
-            text += piece
+    for chunk in client.completions.create(model="deepseek-v3-tiny", stream=True, **body):
+        piece = chunk.choices[0].text if chunk.choices else ""
+        if piece and first is None:
+            first = time.monotonic() - start
+        text += piece
     assert first is not None, "no text streamed"
     return first, text
 
