@@ -74,8 +74,7 @@ CONFIGS = {
     "block32": {"block_size": 32},  # above both ratios: several entries per block
     "async": {"async_scheduling": True, "max_num_seqs": 3},
     # The Triton op set (the interpreter on CPU): V4's ops are references in
-    # both sets, and profile runs eager decode batches instead of the
-    # graph-shaped ones this model never takes.
+    # both sets; profile also runs every graph-shaped decode size.
     "triton": {"attention_backend": "triton", "max_num_seqs": 4},
 }
 
@@ -104,12 +103,15 @@ def test_prefix_cache_hits_restore_every_kind_of_state(model_and_reference):
     _assert_idle(llm)
 
 
-def test_graph_capture_is_skipped_with_its_reason(model_and_reference):
-    """The V4 ops are eager references: the capture stage says so and the
-    recording backend captures nothing; tokens are unchanged."""
+def test_decode_graphs_run_the_device_only_paths(model_and_reference):
+    """The recording graph backend replays decode steps through the graph
+    context (no host lengths, every entry max_model_len allows gathered at a
+    fixed size, completed windows' entries written, the others to the spare
+    rows): same tokens and log-probabilities as HF."""
     path, tokens, logprobs = model_and_reference
     llm, outs = _run(path, graph_backend="recording", max_num_seqs=4, cuda_graph_sizes=[1, 2, 4])
     _assert_matches(outs, tokens, logprobs)
-    report = llm.startup_report()
-    assert not report.captured_sizes
-    assert "DeepseekV4ForCausalLM runs eagerly" in report.table()
+    assert llm.startup_report().captured_sizes == [1, 2, 4]
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.backend.num_replays > 20
+    _assert_idle(llm)

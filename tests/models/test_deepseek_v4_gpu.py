@@ -1,7 +1,9 @@
 """DeepSeek-V4 on the GPU (`pytest -m gpu`): the tiny V4 through the whole
-engine equals HF in fp32 (greedy tokens) and in bf16 up to near-ties; the
-4-layer V4-Flash proxy (dummy weights made on the GPU) starts through every
-stage of the state machine, serves a batch and returns every block."""
+engine equals HF in fp32 (greedy tokens, decode in CUDA graphs and eager)
+and in bf16 up to near-ties; the 4-layer V4-Flash proxy (dummy weights made
+on the GPU) starts through every stage of the state machine with decode
+graphs captured and the workspace locked, serves a batch with graphs
+replaying, and returns every block."""
 
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ def _engine_tokens(path, **config) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_tiny_v4_fp32_equals_hf(tiny):
+def test_tiny_v4_fp32_graphs_equal_eager_equal_hf(tiny):
     hf_tokens, _ = hf_greedy(tiny, PROMPTS, NEW)
-    assert _engine_tokens(tiny, dtype="float32") == hf_tokens
+    assert _engine_tokens(tiny, dtype="float32") == hf_tokens  # decode in CUDA graphs
+    assert _engine_tokens(tiny, dtype="float32", enforce_eager=True) == hf_tokens
 
 
 def test_tiny_v4_bf16_equals_hf_up_to_near_ties(tiny):
@@ -80,12 +83,14 @@ def test_v4_flash_proxy_starts_and_serves():
     assert report.state == "ready" and llm.engine.runner.workspace.locked
     assert [s.name for s in report.stages] == ["load", "profile", "size_kv", "warmup",
                                                "capture", "lock"]  # fmt: skip
-    assert "DeepseekV4ForCausalLM runs eagerly" in report.table()
+    assert report.captured_sizes == [1, 2, 4, 8, 16]
+    assert report.workspace_growth_after_kv_sizing == 0
     assert report.num_kv_blocks > 0
     prompts = [[0, 100 + i, 2000 + 7 * i] * (5 + 20 * i) for i in range(6)]  # up to 318 tokens
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert llm.stats()["jit_compiles_after_ready"] == 0
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     print(resolve_model("deepseek-v4-flash-proxy"), report.table())

@@ -75,9 +75,10 @@ class PagedTensor:
     width: int
     tokens_per_row: int = 1
     dtype: torch.dtype | None = None  # None: the model's dtype
+    spare_rows: int = 0  # rows per block nobody reads (a scratch target for writes)
 
     def rows_per_block(self, block_size: int) -> int:
-        return -(-block_size // self.tokens_per_row)
+        return -(-block_size // self.tokens_per_row) + self.spare_rows
 
 
 @dataclass(frozen=True)

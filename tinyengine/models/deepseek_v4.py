@@ -15,9 +15,10 @@ shared expert clamp SwiGLU's inputs at `swiglu_limit`.
 Owns the reading of a V4 config.json (HF's field names and defaults, and the
 legacy spellings HF folds in) and the mapping of checkpoint names, HF's or
 DeepSeek's release names (transformers' conversion table), to parameters.
-Multi-token-prediction weights (`mtp.*`) are ignored, as HF does. No CUDA
-graphs yet: the V4 ops are eager references (kernels/compressor, indexer,
-sparse_attention).
+Multi-token-prediction weights (`mtp.*`) are ignored, as HF does. The V4
+ops are torch references (kernels/compressor, indexer, sparse_attention):
+eager steps loop over sequences, graph-shaped decode steps run device ops
+only, so decode is captured in CUDA graphs like every other model's.
 
 Must never read files, allocate the cache, or choose a backend.
 """
@@ -329,7 +330,6 @@ def checkpoint_to_param(name: str) -> tuple[str, Any]:
 
 class DeepseekV4ForCausalLM(nn.Module):
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
-    supports_cuda_graphs = False  # the V4 ops are eager references for now
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()

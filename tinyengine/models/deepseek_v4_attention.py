@@ -122,7 +122,9 @@ class V4Compressor(nn.Module):
         width = 2 * self.dim if self.overlap else self.dim
         return (
             PagedTensor(f"{prefix}state", 2 * width, dtype=torch.float32),
-            PagedTensor(f"{prefix}entries", self.dim, tokens_per_row=self.ratio),
+            # The spare row: a decode step whose token completes no window
+            # writes its (unused) entry there (compressor/reference.py).
+            PagedTensor(f"{prefix}entries", self.dim, tokens_per_row=self.ratio, spare_rows=1),
         )
 
     def update(self, x: torch.Tensor, cache: dict, prefix: str, ctx: ForwardContext,

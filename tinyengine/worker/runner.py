@@ -343,9 +343,6 @@ class ModelRunner:
         if self.config.graph_backend != "recording" and self.device.type != "cuda":
             self.capture_skip_reason = "no CUDA device"
             return False
-        if not getattr(self.model, "supports_cuda_graphs", True):
-            self.capture_skip_reason = f"{type(self.model).__name__} runs eagerly"
-            return False
         return True
 
     def graph_sizes(self) -> list[int]:
@@ -362,12 +359,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_decode_shape(self, size: int) -> torch.Tensor:
         """One eager run of the graph-shaped decode step of `size` padding rows
-        (profile and warmup use it to size scratch and compile kernels). A
-        model that runs eagerly only never takes that shape: its decode
-        steps have host lengths, and the worst of them, `size` rows at
-        max_model_len context, runs instead."""
-        if not getattr(self.model, "supports_cuda_graphs", True):
-            return self.dummy_forward([1] * size, [self.max_model_len] * size)
+        (profile and warmup use it to size scratch and compile kernels)."""
         self.write_decode_inputs(size, NO_ROWS)
         return self.decode_step(size)()
 

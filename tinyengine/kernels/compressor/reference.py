@@ -9,12 +9,16 @@ prefix cache needs), whatever the chunking:
                  (fp32), C = D for HCA, 2 * D for CSA and the indexer, whose
                  windows overlap (halves Ca | Cb, see below)
     entry_cache  [num_blocks, rows, D]  one compressed entry per window of `ratio`
-                 tokens; rows = ceil(block_size / ratio). Entry w (tokens
+                 tokens; rows = ceil(block_size / ratio) + 1. Entry w (tokens
                  [w * ratio, (w + 1) * ratio)) sits in the block of its LAST
                  token, row (last % block_size) // ratio: it is written in the
                  step that computes that token, which is when that block is
                  still private to the request (a block is shared through the
-                 prefix cache only once full and computed).
+                 prefix cache only once full and computed). The last row of
+                 each block is spare: a decode step under a CUDA graph computes
+                 an entry for every row and writes those that complete no
+                 window there (in the block of the row's own token), since a
+                 graph cannot choose on the host which rows to write.
 
 Entry w = kv_norm( sum_j softmax_j(gate_j + position_bias_j) * kv_j ), rotated
 at position w * ratio. Without overlap (HCA, ratio 128) j runs over the
@@ -26,8 +30,10 @@ DeepseekV4CSACompressor / DeepseekV4HCACompressor (which carry the same
 state between calls in a cache object instead of pages).
 
 Requires ratio | block_size or block_size | ratio. Pure tensor code: never
-imports `models/` or `tinyengine/`. Loops over sequences with host lengths
-(eager only).
+imports `models/` or `tinyengine/`. Two paths: with host lengths (eager
+steps) a loop over sequences handles chunks of any length; without them (a
+graph-shaped decode step: one token per row, AttentionMetadata's host lists
+None) device ops only, safe to capture.
 """
 
 from __future__ import annotations
@@ -39,8 +45,13 @@ import torch
 
 def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """cache [num_blocks, block_size, W] <- rows [T, W] at slot_mapping [T]
-    (block * block_size + offset); negative slots are padding, skipped."""
+    (block * block_size + offset); negative slots are padding, skipped. A
+    graph-shaped decode step has none (the runner pads into its dummy block),
+    and under capture every row is written."""
     flat = cache.view(-1, cache.shape[-1])
+    if rows.is_cuda and torch.cuda.is_current_stream_capturing():
+        flat.index_copy_(0, slot_mapping, rows.to(cache.dtype))
+        return
     keep = slot_mapping >= 0
     flat.index_copy_(0, slot_mapping[keep], rows[keep].to(cache.dtype))
 
@@ -57,17 +68,22 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 def token_slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat per-token slots of `positions` in a sequence's block table row."""
-    return table[positions // block_size].long() * block_size + positions % block_size
+    """Flat per-token slots of `positions` through block table rows: `table`
+    [width] with positions of any shape, or [B, width] with positions [B, n]."""
+    blocks = positions // block_size
+    ids = table[blocks] if table.dim() == 1 else table.gather(1, blocks)
+    return ids.long() * block_size + positions % block_size
 
 
 def entry_slots(
-    table: torch.Tensor, entries: torch.Tensor, ratio: int, block_size: int
+    table: torch.Tensor, entries: torch.Tensor, ratio: int, block_size: int, rows: int
 ) -> torch.Tensor:
-    """Flat rows of compressed entries `entries` (see the module docstring)."""
-    rows = -(-block_size // ratio)
+    """Flat rows of compressed entries `entries` (see the module docstring);
+    `table` as token_slots', `rows` the entry cache's rows per block."""
     last = (entries + 1) * ratio - 1
-    return table[last // block_size].long() * rows + (last % block_size) // ratio
+    blocks = last // block_size
+    ids = table[blocks] if table.dim() == 1 else table.gather(1, blocks)
+    return ids.long() * rows + (last % block_size) // ratio
 
 
 def check_ratio(ratio: int, block_size: int) -> None:
@@ -96,36 +112,68 @@ def compress_windows(
     of the compressed branch's rotary."""
     block_size = state_cache.shape[1]
     check_ratio(ratio, block_size)
-    dim = entry_cache.shape[-1]
-    flat_state = state_cache.view(-1, state_cache.shape[-1])
-    flat_entries = entry_cache.view(-1, dim)
+    pool = _Pool(state_cache, entry_cache, ratio, overlap, position_bias, norm_weight, eps, cos_sin)
+    if attn.seq_lens_cpu is None:
+        # One token per row: row b completes window w = (p + 1) / ratio - 1
+        # when (p + 1) % ratio == 0; every row computes one, the others go to
+        # the spare row of their token's block.
+        tables = attn.block_tables
+        pos = attn.seq_lens.long() - 1
+        done = (pos + 1) % ratio == 0
+        windows = ((pos + 1) // ratio - 1).clamp(min=0)
+        entries = pool.entries(tables, windows)
+        spare = token_slots(tables, pos[:, None], block_size)[:, 0] // block_size
+        spare = spare * pool.rows + pool.rows - 1
+        rows = torch.where(done, entry_slots(tables, windows[:, None], ratio, block_size,
+                                             pool.rows)[:, 0], spare)  # fmt: skip
+        pool.flat_entries.index_copy_(0, rows, entries.to(entry_cache.dtype))
+        return
     starts = attn.query_start_loc_cpu
     for i, end in enumerate(attn.seq_lens_cpu):
         start = end - (starts[i + 1] - starts[i])
         if end // ratio <= start // ratio:
             continue  # no window ends in this step's tokens
-        device = state_cache.device
-        windows = torch.arange(start // ratio, end // ratio, device=device)
+        windows = torch.arange(start // ratio, end // ratio, device=state_cache.device)
         table = attn.block_tables[i]
-        span = 2 * ratio if overlap else ratio
-        first = (windows - 1) * ratio if overlap else windows * ratio
-        positions = first[:, None] + torch.arange(span, device=device)  # [n, span]
-        slots = token_slots(table, positions.clamp(min=0), block_size)
-        kv, gate = flat_state[slots].float().chunk(2, dim=-1)  # [n, span, C] each
-        bias = position_bias.float()
-        if overlap:
+        entries = pool.entries(table.expand(len(windows), -1), windows)
+        rows = entry_slots(table, windows, ratio, block_size, pool.rows)
+        pool.flat_entries.index_copy_(0, rows, entries.to(entry_cache.dtype))
+
+
+class _Pool:
+    """The numbers of compress_windows, for windows given as [n] ids with
+    their sequences' block table rows [n, width]."""
+
+    def __init__(self, state_cache, entry_cache, ratio, overlap, position_bias, norm_weight,
+                 eps, cos_sin) -> None:  # noqa: ANN001  (compress_windows' arguments)  # fmt: skip
+        self.flat_state = state_cache.view(-1, state_cache.shape[-1])
+        self.flat_entries = entry_cache.view(-1, entry_cache.shape[-1])
+        self.block_size = state_cache.shape[1]
+        self.rows, self.dim = entry_cache.shape[1], entry_cache.shape[-1]
+        self.ratio, self.overlap, self.eps = ratio, overlap, eps
+        self.bias, self.norm_weight = position_bias.float(), norm_weight.float()
+        self.cos_sin = cos_sin
+
+    def entries(self, tables: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """fp32 [n, D]: entry w of each window's sequence."""
+        ratio, dim = self.ratio, self.dim
+        span = 2 * ratio if self.overlap else ratio
+        first = (windows - 1) * ratio if self.overlap else windows * ratio
+        positions = first[:, None] + torch.arange(span, device=windows.device)  # [n, span]
+        slots = token_slots(tables, positions.clamp(min=0), self.block_size)
+        kv, gate = self.flat_state[slots].float().chunk(2, dim=-1)  # [n, span, C] each
+        if self.overlap:
             kv = torch.cat([kv[:, :ratio, :dim], kv[:, ratio:, dim:]], dim=1)
+            bias = self.bias
             gate = torch.cat(
                 [gate[:, :ratio, :dim] + bias[:, :dim], gate[:, ratio:, dim:] + bias[:, dim:]],
                 dim=1,
             )
             gate = gate.masked_fill((positions < 0)[..., None], float("-inf"))
         else:
-            gate = gate + bias
+            gate = gate + self.bias
         pooled = (kv * gate.softmax(dim=1)).sum(dim=1)  # [n, D]
-        pooled = pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + eps)
-        pooled = norm_weight.float() * pooled
-        cos, sin = cos_sin[windows * ratio].float().chunk(2, dim=-1)
-        pooled = rope_tail(pooled, cos, sin)
-        rows = entry_slots(table, windows, ratio, block_size)
-        flat_entries.index_copy_(0, rows, pooled.to(entry_cache.dtype))
+        pooled = pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + self.eps)
+        pooled = self.norm_weight * pooled
+        cos, sin = self.cos_sin[windows * ratio].float().chunk(2, dim=-1)
+        return rope_tail(pooled, cos, sin)

@@ -12,7 +12,8 @@ DeepseekV4Indexer (whose torch.topk leaves ties unspecified): at most
 min(topk, entries after this step) per query, future entries never, slots
 beyond what a query may see filled with -1.
 
-Pure tensor code; loops over sequences with host lengths (eager only).
+Pure tensor code. With host lengths (eager steps) it loops over sequences;
+without them (a graph-shaped decode step) it runs device ops only.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ def indexer_topk(
     -> int64 [T, topk] entry indices per query, -1 where none."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     flat = key_cache.view(-1, key_cache.shape[-1])
+    rows = key_cache.shape[1]
+    if attn.seq_lens_cpu is None:
+        # A graph-shaped decode step (one token per row, no host lengths):
+        # every row scores the max_seq_len // ratio entries a sequence can
+        # have, those it cannot see yet masked.
+        num_entries = attn.max_seq_len // ratio
+        if num_entries == 0:
+            return out
+        entries = torch.arange(num_entries, device=q.device)
+        tables = attn.block_tables
+        keys = flat[entry_slots(tables, entries.expand(q.shape[0], -1), ratio, block_size, rows)]
+        visible = entries[None, :] < (attn.seq_lens.long() // ratio)[:, None]
+        _choose(out, q, weights, keys, visible, topk, scale)
+        return out
     starts = attn.query_start_loc_cpu
     for i, end in enumerate(attn.seq_lens_cpu):
         lo, hi = starts[i], starts[i + 1]
@@ -46,17 +61,22 @@ def indexer_topk(
         if num_entries == 0 or hi == lo:
             continue
         entries = torch.arange(num_entries, device=q.device)
-        keys = flat[entry_slots(attn.block_tables[i], entries, ratio, block_size)].float()
-        scores = torch.relu(torch.einsum("thd,nd->thn", q[lo:hi].float(), keys)) * scale
-        scores = (scores * weights[lo:hi, :, None].float()).sum(dim=1)  # [q_len, n]
+        keys = flat[entry_slots(attn.block_tables[i], entries, ratio, block_size, rows)]
         positions = torch.arange(end - (hi - lo), end, device=q.device)
         visible = entries[None, :] < ((positions + 1) // ratio)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(topk, num_entries)
-        # Equal scores (all heads' ReLUs at 0 give exact zeros) go to the
-        # lower entry id: a stable sort, so the choice never depends on how
-        # many entries the row happens to hold.
-        values, order = scores.sort(dim=-1, descending=True, stable=True)
-        chosen = torch.where(values[:, :k] == float("-inf"), -1, order[:, :k])
-        out[lo:hi, :k] = chosen
+        _choose(out[lo:hi], q[lo:hi], weights[lo:hi], keys.expand(hi - lo, -1, -1), visible,
+                topk, scale)  # fmt: skip
     return out
+
+
+def _choose(out, q, weights, keys, visible, topk: int, scale: float) -> None:  # noqa: ANN001
+    """out [n, topk] <- the best visible of keys [n, E, Di] for queries q [n, H, Di]."""
+    scores = torch.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * scale
+    scores = (scores * weights[:, :, None].float()).sum(dim=1)  # [n, E]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    k = min(topk, keys.shape[1])
+    # Equal scores (all heads' ReLUs at 0 give exact zeros) go to the lower
+    # entry id: a stable sort, so the choice never depends on how many
+    # entries the row happens to hold.
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    out[:, :k] = torch.where(values[:, :k] == float("-inf"), -1, order[:, :k])

@@ -12,7 +12,9 @@ query at position p attends to
 As Hugging Face's eager_attention_forward for DeepseekV4 (the sink logit
 joins the max and the normalisation, then is dropped).
 
-Pure tensor code; loops over sequences with host lengths (eager only).
+Pure tensor code. With host lengths (eager steps) it loops over sequences;
+without them (a graph-shaped decode step) it runs device ops only, at fixed
+sizes (window rows; the top-k picks, or every entry max_seq_len allows).
 """
 
 from __future__ import annotations
@@ -39,6 +41,27 @@ def sparse_attention(
     """q [T, H, D] -> out [T, H, D] in q.dtype (rows of padding stay 0)."""
     block_size = kv_cache.shape[1]
     flat_kv = kv_cache.view(-1, kv_cache.shape[-1])
+    flat_entries = None if entry_cache is None else entry_cache.view(-1, entry_cache.shape[-1])
+    rows = 0 if entry_cache is None else entry_cache.shape[1]
+    if attn.seq_lens_cpu is None:
+        # A graph-shaped decode step: one query per row at p = seq_len - 1;
+        # the window's `window` positions and the entries are gathered at
+        # fixed sizes, what a row may not see masked.
+        tables = attn.block_tables
+        pos = attn.seq_lens.long() - 1
+        k_pos = pos[:, None] - torch.arange(window - 1, -1, -1, device=q.device)  # [B, W]
+        keys = flat_kv[token_slots(tables, k_pos.clamp(min=0), block_size)]
+        allowed = k_pos >= 0
+        if flat_entries is not None:
+            if topk_indices is not None:
+                picks, seen = topk_indices.clamp(min=0), topk_indices >= 0
+            else:
+                picks = torch.arange(attn.max_seq_len // ratio, device=q.device)
+                picks = picks.expand(q.shape[0], -1)
+                seen = picks < ((pos + 1) // ratio)[:, None]
+            entry_keys = flat_entries[entry_slots(tables, picks, ratio, block_size, rows)]
+            keys, allowed = torch.cat([keys, entry_keys], 1), torch.cat([allowed, seen], 1)
+        return _attend(q, keys, allowed, sinks, scale)
     out = torch.zeros_like(q)
     starts = attn.query_start_loc_cpu
     for i, end in enumerate(attn.seq_lens_cpu):
@@ -52,26 +75,30 @@ def sparse_attention(
         keys = flat_kv[token_slots(table, k_pos, block_size)]
         distance = q_pos[:, None] - k_pos[None, :]
         allowed = (distance >= 0) & (distance < window)  # [q_len, n_raw]
-        if entry_cache is not None:
-            num_entries = end // ratio
-            entries = torch.arange(num_entries, device=q.device)
-            flat_entries = entry_cache.view(-1, entry_cache.shape[-1])
-            keys = torch.cat(
-                [keys, flat_entries[entry_slots(table, entries, ratio, block_size)]], dim=0
-            )
+        if flat_entries is not None:
+            entries = torch.arange(end // ratio, device=q.device)
+            keys = torch.cat([keys, flat_entries[entry_slots(table, entries, ratio, block_size,
+                                                             rows)]], dim=0)  # fmt: skip
             visible = entries[None, :] < ((q_pos + 1) // ratio)[:, None]
             if topk_indices is not None:
                 chosen = torch.zeros_like(visible)
                 picks = topk_indices[lo:hi]
-                rows = torch.arange(hi - lo, device=q.device)[:, None].expand_as(picks)
+                rows_of = torch.arange(hi - lo, device=q.device)[:, None].expand_as(picks)
                 valid = picks >= 0
-                chosen[rows[valid], picks[valid]] = True
+                chosen[rows_of[valid], picks[valid]] = True
                 visible &= chosen
             allowed = torch.cat([allowed, visible], dim=1)
-        keys = keys.float()
-        logits = torch.einsum("thd,nd->thn", q[lo:hi].float(), keys) * scale
-        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-        sink = sinks.float()[None, :, None].expand(hi - lo, -1, 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out[lo:hi] = torch.einsum("thn,nd->thd", probs, keys).to(q.dtype)
+        n = hi - lo
+        out[lo:hi] = _attend(q[lo:hi], keys.expand(n, -1, -1), allowed, sinks, scale)
     return out
+
+
+def _attend(q, keys, allowed, sinks, scale: float) -> torch.Tensor:  # noqa: ANN001
+    """q [n, H, D] over keys [n, K, D] (= values), allowed [n, K], plus a sink
+    logit per head -> [n, H, D] in q.dtype."""
+    keys = keys.float()
+    logits = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    sink = sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
