@@ -233,3 +233,17 @@ def test_zero_tokens() -> None:
     x, w13, w2, weights, ids = make(1, 32, 16, 4, 2, torch.float32)
     out = triton_moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
     assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_swiglu_limit_clamps_like_the_reference(cls: int) -> None:
+    """DeepSeek-V4's swiglu_limit: gate <= L and -L <= up <= L before the
+    activation. The inputs are scaled so that most pre-activations pass L,
+    and the clamped result must differ from the unclamped one."""
+    x, w13, w2, weights, ids = make(12, 64, 32, 8, 2, torch.float32)
+    x = x * 40
+    ref = moe_ref.fused_moe(x, w13, w2, weights, ids, swiglu_limit=1.0)
+    out = triton_moe.launch_fused_moe(x, w13, w2, weights, ids, swiglu_limit=1.0,
+                                      config=triton_moe.CLASS_CONFIGS[cls])  # fmt: skip
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert rel_err(moe_ref.fused_moe(x, w13, w2, weights, ids), ref) > 0.1

@@ -190,11 +190,16 @@ def _gate_up_mma(x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_
 
 
 @device_fn
-def _store_swiglu(acc_g, acc_u, act_ptr, rows, row_ok, offs_n, stride_am, INTER: tl.constexpr):
+def _store_swiglu(acc_g, acc_u, act_ptr, rows, row_ok, offs_n, stride_am, INTER: tl.constexpr,
+                  LIMIT: tl.constexpr):  # fmt: skip
     """act[rows, offs_n] = silu(gate) * up, gate and up first rounded to the
-    weights' dtype (like the reference's bf16 F.linear)."""
+    weights' dtype (like the reference's bf16 F.linear); with LIMIT > 0
+    (DeepSeek-V4's swiglu_limit) gate <= LIMIT and -LIMIT <= up <= LIMIT."""
     gate = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
     up = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
+    if LIMIT > 0:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     act = gate / (1.0 + tl.exp(-gate)) * up
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty),
@@ -209,6 +214,7 @@ def _gate_up_kernel(
     NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_M: tl.constexpr,
     UPCAST: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Grid (max M-blocks * cdiv(I, BLOCK_N),). act[row, n] = silu(x_t . gate_n) *
     (x_t . up_n) for the sorted rows of one expert's M-block; row r holds pair
@@ -263,7 +269,8 @@ def _gate_up_kernel(
                 DOT_PRECISION)  # fmt: skip
             t_rows = row0 + BLOCK_M + tl.arange(0, TAIL_ROWS)
             t_ok = first_in_seg + BLOCK_M + tl.arange(0, TAIL_ROWS) < count
-            _store_swiglu(acc_gt, acc_ut, act_ptr, t_rows, t_ok, offs_n, stride_am, INTER)
+            _store_swiglu(acc_gt, acc_ut, act_ptr, t_rows, t_ok, offs_n, stride_am, INTER,
+                          SWIGLU_LIMIT)  # fmt: skip
         else:
             acc_g, acc_u, acc_gt, acc_ut = _gate_up_mma(
                 x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_k, INTER, HIDDEN,
@@ -274,7 +281,7 @@ def _gate_up_kernel(
             x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_k, INTER, HIDDEN,
             BLOCK_M, BLOCK_N, BLOCK_K, TAIL_ROWS, False, UPCAST, TMA_A, TMA_W,
             DOT_PRECISION)  # fmt: skip
-    _store_swiglu(acc_g, acc_u, act_ptr, rows, row_ok, offs_n, stride_am, INTER)
+    _store_swiglu(acc_g, acc_u, act_ptr, rows, row_ok, offs_n, stride_am, INTER, SWIGLU_LIMIT)
 
 
 @device_fn

@@ -207,7 +207,8 @@ def _grid(num_pairs: int, num_experts: int, n: int, c: dict[str, int]) -> tuple[
 
 
 def _gate_up_launch(x: torch.Tensor, w13: torch.Tensor, s: _Scratch, top_k: int,
-                    c: dict[str, int]) -> list[Launch]:  # fmt: skip
+                    c: dict[str, int],
+                    swiglu_limit: float | None = None) -> list[Launch]:  # fmt: skip
     """gate_up's launches: the gather into s.xs first where c["tma"] is
     TMA_AW (s must then have xs), then the GEMM. A TMA mode that a tensor's
     alignment or layout rules out falls back to pointer loads for it."""
@@ -243,7 +244,7 @@ def _gate_up_launch(x: torch.Tensor, w13: torch.Tensor, s: _Scratch, top_k: int,
         E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=c["block_m"],
         BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], TAIL_M=tail, UPCAST=interpreting(),
         TMA_A=tma_a, TMA_W=tma_w, num_warps=c["num_warps"], num_stages=c["num_stages"],
-        DOT_PRECISION=dot_precision(w13.dtype),
+        DOT_PRECISION=dot_precision(w13.dtype), SWIGLU_LIMIT=float(swiglu_limit or 0.0),
     )  # fmt: skip
     launches.append((_gate_up_kernel, grid, args, kwargs))
     return launches
@@ -295,13 +296,10 @@ def fused_moe(
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Same contract as moe/reference.py's fused_moe; out [T, D] in x.dtype,
-    with moe_config's tiles. The kernel has no SwiGLU clamp yet: with
-    `swiglu_limit` (DeepSeek-V4) the reference runs (eager only)."""
-    if swiglu_limit is not None:
-        from tinyengine.kernels.moe.reference import fused_moe as reference_moe
-
-        return reference_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
-    return launch_fused_moe(x, w13, w2, topk_weights, topk_ids, workspace=workspace)
+    with moe_config's tiles."""
+    return launch_fused_moe(
+        x, w13, w2, topk_weights, topk_ids, workspace=workspace, swiglu_limit=swiglu_limit
+    )
 
 
 def launch_fused_moe(
@@ -313,6 +311,7 @@ def launch_fused_moe(
     *,
     workspace: Any = None,
     config: dict[str, Any] | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """fused_moe with tile overrides (tests and benchmarks/sweep_moe.py):
 
@@ -345,7 +344,7 @@ def launch_fused_moe(
     s = _scratch(x, w13, w2, topk_ids, workspace,
                  sorted_x=cfg["gate_up"]["tma"] >= TMA_AW)  # fmt: skip
     _group(topk_ids, s)
-    _run(_gate_up_launch(x, w13, s, top_k, cfg["gate_up"]))
+    _run(_gate_up_launch(x, w13, s, top_k, cfg["gate_up"], swiglu_limit))
     _run(_down_launch(w2, s, cfg["down"]))
     _sum_topk(s.y, topk_weights, out)
     return out
