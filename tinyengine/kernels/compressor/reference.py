@@ -30,10 +30,10 @@ DeepseekV4CSACompressor / DeepseekV4HCACompressor (which carry the same
 state between calls in a cache object instead of pages).
 
 Requires ratio | block_size or block_size | ratio. Pure tensor code: never
-imports `models/` or `tinyengine/`. Two paths: with host lengths (eager
-steps) a loop over sequences handles chunks of any length; without them (a
-graph-shaped decode step: one token per row, AttentionMetadata's host lists
-None) device ops only, safe to capture.
+imports `models/` or `tinyengine/`. Two paths: a batch with a chunk of more
+than one token loops over sequences with host lengths; a decode batch (one
+token per row: every graph-shaped step, whose host lengths are None, and
+eager decode steps) runs device ops only, safe to capture.
 """
 
 from __future__ import annotations
@@ -86,6 +86,15 @@ def entry_slots(
     return ids.long() * rows + (last % block_size) // ratio
 
 
+def one_token_per_row(attn: Any) -> bool:
+    """A decode batch, each row one sequence's next token: a graph-shaped step
+    (no host lengths; padding rows are one-token sequences) or an eager one.
+    The ops then take their device-only path, with no loop over sequences."""
+    if attn.seq_lens_cpu is None:
+        return True
+    return attn.max_query_len == 1 and attn.num_tokens == attn.num_seqs
+
+
 def check_ratio(ratio: int, block_size: int) -> None:
     if ratio % block_size and block_size % ratio:
         raise ValueError(
@@ -113,7 +122,7 @@ def compress_windows(
     block_size = state_cache.shape[1]
     check_ratio(ratio, block_size)
     pool = _Pool(state_cache, entry_cache, ratio, overlap, position_bias, norm_weight, eps, cos_sin)
-    if attn.seq_lens_cpu is None:
+    if one_token_per_row(attn):
         # One token per row: row b completes window w = (p + 1) / ratio - 1
         # when (p + 1) % ratio == 0; every row computes one, the others go to
         # the spare row of their token's block.

@@ -12,8 +12,9 @@ DeepseekV4Indexer (whose torch.topk leaves ties unspecified): at most
 min(topk, entries after this step) per query, future entries never, slots
 beyond what a query may see filled with -1.
 
-Pure tensor code. With host lengths (eager steps) it loops over sequences;
-without them (a graph-shaped decode step) it runs device ops only.
+Pure tensor code. A batch with a longer chunk loops over sequences with
+host lengths; a decode batch (one token per row, graph-shaped or eager) runs
+device ops only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tinyengine.kernels.compressor.reference import entry_slots
+from tinyengine.kernels.compressor.reference import entry_slots, one_token_per_row
 
 
 def indexer_topk(
@@ -41,9 +42,8 @@ def indexer_topk(
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     flat = key_cache.view(-1, key_cache.shape[-1])
     rows = key_cache.shape[1]
-    if attn.seq_lens_cpu is None:
-        # A graph-shaped decode step (one token per row, no host lengths):
-        # every row scores the max_seq_len // ratio entries a sequence can
+    if one_token_per_row(attn):
+        # A decode batch: every row scores the max_seq_len // ratio entries a sequence can
         # have, those it cannot see yet masked.
         num_entries = attn.max_seq_len // ratio
         if num_entries == 0:

@@ -12,9 +12,10 @@ query at position p attends to
 As Hugging Face's eager_attention_forward for DeepseekV4 (the sink logit
 joins the max and the normalisation, then is dropped).
 
-Pure tensor code. With host lengths (eager steps) it loops over sequences;
-without them (a graph-shaped decode step) it runs device ops only, at fixed
-sizes (window rows; the top-k picks, or every entry max_seq_len allows).
+Pure tensor code. A batch with a longer chunk loops over sequences with
+host lengths; a decode batch (one token per row, graph-shaped or eager) runs
+device ops only, at fixed sizes (window rows; the top-k picks, or every
+entry max_seq_len allows).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tinyengine.kernels.compressor.reference import entry_slots, token_slots
+from tinyengine.kernels.compressor.reference import entry_slots, one_token_per_row, token_slots
 
 
 def sparse_attention(
@@ -43,8 +44,8 @@ def sparse_attention(
     flat_kv = kv_cache.view(-1, kv_cache.shape[-1])
     flat_entries = None if entry_cache is None else entry_cache.view(-1, entry_cache.shape[-1])
     rows = 0 if entry_cache is None else entry_cache.shape[1]
-    if attn.seq_lens_cpu is None:
-        # A graph-shaped decode step: one query per row at p = seq_len - 1;
+    if one_token_per_row(attn):
+        # A decode batch: one query per row at p = seq_len - 1;
         # the window's `window` positions and the entries are gathered at
         # fixed sizes, what a row may not see masked.
         tables = attn.block_tables
