@@ -30,14 +30,16 @@ DeepseekV4CSACompressor / DeepseekV4HCACompressor (which carry the same
 state between calls in a cache object instead of pages).
 
 Requires ratio | block_size or block_size | ratio. Pure tensor code: never
-imports `models/` or `tinyengine/`. Two paths: a batch with a chunk of more
-than one token loops over sequences with host lengths; a decode batch (one
-token per row: every graph-shaped step, whose host lengths are None, and
-eager decode steps) runs device ops only, safe to capture.
+imports `models/` or `tinyengine/`. Two paths (`split_rows`): the
+sequences with one new token (every row of a graph-shaped decode step,
+whose host lengths are None; the decode rows of an eager step) go through
+device ops only, together and safe to capture; a sequence with a longer
+chunk goes alone through a loop with host lengths.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,13 +88,40 @@ def entry_slots(
     return ids.long() * rows + (last % block_size) // ratio
 
 
-def one_token_per_row(attn: Any) -> bool:
-    """A decode batch, each row one sequence's next token: a graph-shaped step
-    (no host lengths; padding rows are one-token sequences) or an eager one.
-    The ops then take their device-only path, with no loop over sequences."""
+@dataclass
+class RowSplit:
+    """A step's sequences, split between the ops' two paths: the one-token
+    sequences (decode rows), done together with device ops only, and those
+    with a longer chunk, done one by one with host lengths."""
+
+    seq_lens: torch.Tensor  # [n] of the one-token sequences
+    tables: torch.Tensor  # [n, width] their block table rows
+    rows: torch.Tensor | None  # [n] their rows in q (None: rows 0..n-1, the whole batch)
+    longer: list[int]  # indices of the sequences with a longer chunk
+
+    @property
+    def num_decode(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The decode rows of a per-row tensor."""
+        return x if self.rows is None else x.index_select(0, self.rows)
+
+
+def split_rows(attn: Any) -> RowSplit:
+    """A graph-shaped step (no host lengths; padding rows are one-token
+    sequences) is all decode rows; an eager step is split by its host lengths."""
     if attn.seq_lens_cpu is None:
-        return True
-    return attn.max_query_len == 1 and attn.num_tokens == attn.num_seqs
+        return RowSplit(attn.seq_lens, attn.block_tables, None, [])
+    starts = attn.query_start_loc_cpu
+    ones = [i for i in range(attn.num_seqs) if starts[i + 1] - starts[i] == 1]
+    longer = [i for i in range(attn.num_seqs) if starts[i + 1] - starts[i] > 1]
+    if len(ones) == attn.num_seqs == attn.num_tokens:
+        return RowSplit(attn.seq_lens, attn.block_tables, None, [])
+    device = attn.seq_lens.device
+    seqs = torch.tensor(ones, dtype=torch.long, device=device)
+    rows = torch.tensor([starts[i] for i in ones], dtype=torch.long, device=device)
+    return RowSplit(attn.seq_lens[seqs], attn.block_tables[seqs], rows, longer)
 
 
 def check_ratio(ratio: int, block_size: int) -> None:
@@ -122,12 +151,13 @@ def compress_windows(
     block_size = state_cache.shape[1]
     check_ratio(ratio, block_size)
     pool = _Pool(state_cache, entry_cache, ratio, overlap, position_bias, norm_weight, eps, cos_sin)
-    if one_token_per_row(attn):
+    split = split_rows(attn)
+    if split.num_decode:
         # One token per row: row b completes window w = (p + 1) / ratio - 1
         # when (p + 1) % ratio == 0; every row computes one, the others go to
         # the spare row of their token's block.
-        tables = attn.block_tables
-        pos = attn.seq_lens.long() - 1
+        tables = split.tables
+        pos = split.seq_lens.long() - 1
         done = (pos + 1) % ratio == 0
         windows = ((pos + 1) // ratio - 1).clamp(min=0)
         entries = pool.entries(tables, windows)
@@ -136,9 +166,9 @@ def compress_windows(
         rows = torch.where(done, entry_slots(tables, windows[:, None], ratio, block_size,
                                              pool.rows)[:, 0], spare)  # fmt: skip
         pool.flat_entries.index_copy_(0, rows, entries.to(entry_cache.dtype))
-        return
     starts = attn.query_start_loc_cpu
-    for i, end in enumerate(attn.seq_lens_cpu):
+    for i in split.longer:
+        end = attn.seq_lens_cpu[i]
         start = end - (starts[i + 1] - starts[i])
         if end // ratio <= start // ratio:
             continue  # no window ends in this step's tokens

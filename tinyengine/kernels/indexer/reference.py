@@ -12,9 +12,9 @@ DeepseekV4Indexer (whose torch.topk leaves ties unspecified): at most
 min(topk, entries after this step) per query, future entries never, slots
 beyond what a query may see filled with -1.
 
-Pure tensor code. A batch with a longer chunk loops over sequences with
-host lengths; a decode batch (one token per row, graph-shaped or eager) runs
-device ops only.
+Pure tensor code. Decode rows (one new token) go together through device
+ops only; a sequence with a longer chunk goes alone with host lengths
+(compressor/reference.py's split_rows).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tinyengine.kernels.compressor.reference import entry_slots, one_token_per_row
+from tinyengine.kernels.compressor.reference import entry_slots, split_rows
 
 
 def indexer_topk(
@@ -42,25 +42,28 @@ def indexer_topk(
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     flat = key_cache.view(-1, key_cache.shape[-1])
     rows = key_cache.shape[1]
-    if one_token_per_row(attn):
-        # A decode batch: every row scores the max_seq_len // ratio entries a sequence can
-        # have, those it cannot see yet masked.
-        num_entries = attn.max_seq_len // ratio
-        if num_entries == 0:
-            return out
+    split = split_rows(attn)
+    num_entries = attn.max_seq_len // ratio
+    if split.num_decode and num_entries:
+        # Decode rows: each scores the max_seq_len // ratio entries a sequence
+        # of the step can have, those it cannot see yet masked.
         entries = torch.arange(num_entries, device=q.device)
-        tables = attn.block_tables
-        keys = flat[entry_slots(tables, entries.expand(q.shape[0], -1), ratio, block_size, rows)]
-        visible = entries[None, :] < (attn.seq_lens.long() // ratio)[:, None]
-        _choose(out, q, weights, keys, visible, topk, scale)
-        return out
+        n = split.num_decode
+        keys = flat[entry_slots(split.tables, entries.expand(n, -1), ratio, block_size, rows)]
+        visible = entries[None, :] < (split.seq_lens.long() // ratio)[:, None]
+        picked = torch.full((n, topk), -1, dtype=torch.long, device=q.device)
+        _choose(picked, split.take(q), split.take(weights), keys, visible, topk, scale)
+        if split.rows is None:
+            out = picked
+        else:
+            out.index_copy_(0, split.rows, picked)
     starts = attn.query_start_loc_cpu
-    for i, end in enumerate(attn.seq_lens_cpu):
+    for i in split.longer:
+        end = attn.seq_lens_cpu[i]
         lo, hi = starts[i], starts[i + 1]
-        num_entries = end // ratio
-        if num_entries == 0 or hi == lo:
+        if end // ratio == 0:
             continue
-        entries = torch.arange(num_entries, device=q.device)
+        entries = torch.arange(end // ratio, device=q.device)
         keys = flat[entry_slots(attn.block_tables[i], entries, ratio, block_size, rows)]
         positions = torch.arange(end - (hi - lo), end, device=q.device)
         visible = entries[None, :] < ((positions + 1) // ratio)[:, None]

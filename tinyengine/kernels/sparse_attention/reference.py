@@ -12,10 +12,10 @@ query at position p attends to
 As Hugging Face's eager_attention_forward for DeepseekV4 (the sink logit
 joins the max and the normalisation, then is dropped).
 
-Pure tensor code. A batch with a longer chunk loops over sequences with
-host lengths; a decode batch (one token per row, graph-shaped or eager) runs
-device ops only, at fixed sizes (window rows; the top-k picks, or every
-entry max_seq_len allows).
+Pure tensor code. Decode rows (one new token) go together through device
+ops only, at fixed sizes (window rows; the top-k picks, or every entry
+max_seq_len allows); a sequence with a longer chunk goes alone with host
+lengths (compressor/reference.py's split_rows).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tinyengine.kernels.compressor.reference import entry_slots, one_token_per_row, token_slots
+from tinyengine.kernels.compressor.reference import entry_slots, split_rows, token_slots
 
 
 def sparse_attention(
@@ -44,31 +44,35 @@ def sparse_attention(
     flat_kv = kv_cache.view(-1, kv_cache.shape[-1])
     flat_entries = None if entry_cache is None else entry_cache.view(-1, entry_cache.shape[-1])
     rows = 0 if entry_cache is None else entry_cache.shape[1]
-    if one_token_per_row(attn):
-        # A decode batch: one query per row at p = seq_len - 1;
-        # the window's `window` positions and the entries are gathered at
-        # fixed sizes, what a row may not see masked.
-        tables = attn.block_tables
-        pos = attn.seq_lens.long() - 1
-        k_pos = pos[:, None] - torch.arange(window - 1, -1, -1, device=q.device)  # [B, W]
+    split = split_rows(attn)
+    out = torch.zeros_like(q)
+    if split.num_decode:
+        # Decode rows: one query per row at p = seq_len - 1; the window's
+        # `window` positions and the entries are gathered at fixed sizes,
+        # what a row may not see masked.
+        tables = split.tables
+        pos = split.seq_lens.long() - 1
+        k_pos = pos[:, None] - torch.arange(window - 1, -1, -1, device=q.device)  # [n, W]
         keys = flat_kv[token_slots(tables, k_pos.clamp(min=0), block_size)]
         allowed = k_pos >= 0
         if flat_entries is not None:
             if topk_indices is not None:
-                picks, seen = topk_indices.clamp(min=0), topk_indices >= 0
+                chosen = split.take(topk_indices)
+                picks, seen = chosen.clamp(min=0), chosen >= 0
             else:
                 picks = torch.arange(attn.max_seq_len // ratio, device=q.device)
-                picks = picks.expand(q.shape[0], -1)
+                picks = picks.expand(split.num_decode, -1)
                 seen = picks < ((pos + 1) // ratio)[:, None]
             entry_keys = flat_entries[entry_slots(tables, picks, ratio, block_size, rows)]
             keys, allowed = torch.cat([keys, entry_keys], 1), torch.cat([allowed, seen], 1)
-        return _attend(q, keys, allowed, sinks, scale)
-    out = torch.zeros_like(q)
+        attended = _attend(split.take(q), keys, allowed, sinks, scale)
+        if split.rows is None:
+            return attended
+        out.index_copy_(0, split.rows, attended)
     starts = attn.query_start_loc_cpu
-    for i, end in enumerate(attn.seq_lens_cpu):
+    for i in split.longer:
+        end = attn.seq_lens_cpu[i]
         lo, hi = starts[i], starts[i + 1]
-        if hi == lo:
-            continue
         table = attn.block_tables[i]
         q_pos = torch.arange(end - (hi - lo), end, device=q.device)  # [q_len]
         first = max(0, end - (hi - lo) - window + 1)
