@@ -1,6 +1,6 @@
 """`uvicorn server:app` — the OpenAI-compatible server, configured by environment
 variables (see docs/serving.md): TINYENGINE_MODEL (a folder or a preset name,
-default deepseek-v3-tiny), TINYENGINE_<ENGINECONFIG_FIELD> for engine options,
+default deepseek-v4-tiny), TINYENGINE_<ENGINECONFIG_FIELD> for engine options,
 TINYENGINE_API_KEY, TINYENGINE_MAX_REQUEST_BYTES, TINYENGINE_SERVED_MODEL_NAME.
 
 Importing this module reads the settings and builds the app; the engine

@@ -26,8 +26,9 @@ import os
 from collections.abc import Callable
 
 # What the server serves when nothing is configured: small enough to build and
-# run on a laptop CPU, yet the real DeepSeek-V3 architecture and tokenizer.
-DEFAULT_MODEL = "deepseek-v3-tiny"
+# run on a laptop CPU, yet the real DeepSeek-V4 architecture (sliding, CSA and
+# HCA layers, mHC, hash routing) and DeepSeek's tokenizer.
+DEFAULT_MODEL = "deepseek-v4-tiny"
 
 PRESETS: tuple[str, ...] = (
     "deepseek-v3-tiny",

@@ -1,6 +1,6 @@
 """The README's run command and fair admission, through one real `uvicorn
 server:app` with nothing configured: the embedded default model
-(deepseek-v3-tiny) and every default setting, as a new user starts it.
+(deepseek-v4-tiny) and every default setting, as a new user starts it.
 
 - The server answers /health 200 within a generous bound of the process
   start, once the model is built (docs/startup.md has the real figure).
@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import ServerProcess
+from tinyengine.models_presets import DEFAULT_MODEL as MODEL
 from tinyengine.serve.settings import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_SEQUENCES
 
 # Generous against a busy 2-core machine; ~2-3 s when idle (docs/startup.md).
@@ -34,9 +35,9 @@ NUM_PROMPTS, N = 32, 125  # 4,000 sequences
 
 @pytest.fixture(scope="module")
 def readme_server():
-    from tinyengine.tools.make_proxy import ensure_preset
+    from tinyengine.models_presets import DEFAULT_MODEL, resolve_model
 
-    ensure_preset("deepseek-v3-tiny")  # "once built": the build is not startup
+    resolve_model(DEFAULT_MODEL)  # "once built": the build is not startup
     env = {k: v for k, v in os.environ.items() if k == "TINYENGINE_CACHE"}
     server = ServerProcess(env)
     try:
@@ -65,7 +66,7 @@ def test_fan_out_caps_answer_400_naming_the_cap(readme_server):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match=f"max_n={DEFAULT_MAX_N}") as caught:
         client.chat.completions.create(
-            model="deepseek-v3-tiny", n=DEFAULT_MAX_N + 1, max_tokens=1,
+            model=MODEL, n=DEFAULT_MAX_N + 1, max_tokens=1,
             messages=[{"role": "user", "content": "hi"}],
         )  # fmt: skip
     assert caught.value.body["param"] == "n"
@@ -93,7 +94,7 @@ def first_token_seconds(url: str, body: dict) -> tuple[float, str]:
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     start = time.monotonic()
     first, text = None, ""
-    for chunk in client.completions.create(model="deepseek-v3-tiny", stream=True, **body):
+    for chunk in client.completions.create(model=MODEL, stream=True, **body):
         piece = chunk.choices[0].text if chunk.choices else ""
         if piece and first is None:
             first = time.monotonic() - start

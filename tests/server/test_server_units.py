@@ -48,7 +48,7 @@ def test_settings_from_env_parse_every_kind_of_field():
     assert s.api_key == "secret" and s.max_request_bytes == 1000
     assert s.max_n == 4 and s.max_request_sequences == 64
     default = ServerSettings.from_env({})
-    assert default.model == "deepseek-v3-tiny" and default.model_name == "deepseek-v3-tiny"
+    assert default.model == "deepseek-v4-tiny" and default.model_name == "deepseek-v4-tiny"
     assert default.api_key is None and default.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
     assert default.max_n == 128 and default.max_request_sequences == 4096
 
@@ -99,7 +99,7 @@ def test_parse_option_optional_int():
 def test_presets(tmp_path):
     assert resolve_model(str(tmp_path)) == str(tmp_path)  # a folder is used as is
     assert served_model_name(str(tmp_path / "my-model") + "/") == "my-model"
-    assert served_model_name(None) == "deepseek-v3-tiny"
+    assert served_model_name(None) == "deepseek-v4-tiny"
     with pytest.raises(PresetError, match="neither an existing folder nor a preset"):
         resolve_model("no-such-model")
 

@@ -27,7 +27,7 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="same as --model")
     p.add_argument(
         "--model",
-        help="a model folder or a preset name: deepseek-v3-tiny (default), "
+        help="a model folder or a preset name: deepseek-v4-tiny (default), deepseek-v3-tiny, "
         "deepseek-v3-proxy, smollm2-135m",
     )
     p.add_argument(

@@ -7,7 +7,7 @@ its type: ints, floats, booleans, JSON for dicts and lists, "none" for an
 optional field) and the server's own variables. Must never start anything;
 it validates early so that a typo fails at startup, not at the first request.
 
-    TINYENGINE_MODEL              a model folder or a preset name (default deepseek-v3-tiny)
+    TINYENGINE_MODEL              a model folder or a preset name (default deepseek-v4-tiny)
     TINYENGINE_SERVED_MODEL_NAME  the name clients use (default: preset or folder name)
     TINYENGINE_API_KEY            require `Authorization: Bearer <key>` (not on /health)
     TINYENGINE_MAX_REQUEST_BYTES  request body limit; larger bodies get 413 (default 4 MiB)
