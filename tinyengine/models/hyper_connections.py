@@ -11,10 +11,15 @@ DeepseekV4HyperHead; parameters (fp32, as HF keeps them) carry HF's names.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from tinyengine.models.deepseek_v4_attention import fp32_param, unweighted_rms_norm
+
+if TYPE_CHECKING:
+    from tinyengine.models.deepseek_v4 import DeepseekV4Args
 
 
 def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -28,7 +33,7 @@ def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 class HyperConnection(nn.Module):
     """pre / post / comb weights of one block from the streams [T, hc, D]."""
 
-    def __init__(self, args) -> None:  # noqa: ANN001  (DeepseekV4Args)
+    def __init__(self, args: DeepseekV4Args) -> None:
         super().__init__()
         hc = self.hc = args.hc_mult
         self.iters, self.hc_eps, self.norm_eps = args.hc_iters, args.hc_eps, args.rms_norm_eps
@@ -51,7 +56,9 @@ class HyperConnection(nn.Module):
         return post, comb, collapsed
 
 
-def expand_streams(streams, post, comb, out):  # noqa: ANN001, ANN201
+def expand_streams(
+    streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
     """The block's output spread over the streams, plus the mixed streams."""
     dtype = streams.dtype
     return (
@@ -62,7 +69,7 @@ def expand_streams(streams, post, comb, out):  # noqa: ANN001, ANN201
 class HyperHead(nn.Module):
     """The final collapse of the streams, before the model's norm."""
 
-    def __init__(self, args) -> None:  # noqa: ANN001  (DeepseekV4Args)
+    def __init__(self, args: DeepseekV4Args) -> None:
         super().__init__()
         hc = args.hc_mult
         self.hc_eps, self.norm_eps = args.hc_eps, args.rms_norm_eps

@@ -183,8 +183,17 @@ class _Pool:
     """The numbers of compress_windows, for windows given as [n] ids with
     their sequences' block table rows [n, width]."""
 
-    def __init__(self, state_cache, entry_cache, ratio, overlap, position_bias, norm_weight,
-                 eps, cos_sin) -> None:  # noqa: ANN001  (compress_windows' arguments)  # fmt: skip
+    def __init__(
+        self,
+        state_cache: torch.Tensor,
+        entry_cache: torch.Tensor,
+        ratio: int,
+        overlap: bool,
+        position_bias: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        cos_sin: torch.Tensor,
+    ) -> None:
         self.flat_state = state_cache.view(-1, state_cache.shape[-1])
         self.flat_entries = entry_cache.view(-1, entry_cache.shape[-1])
         self.block_size = state_cache.shape[1]

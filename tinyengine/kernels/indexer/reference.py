@@ -72,7 +72,15 @@ def indexer_topk(
     return out
 
 
-def _choose(out, q, weights, keys, visible, topk: int, scale: float) -> None:  # noqa: ANN001
+def _choose(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    topk: int,
+    scale: float,
+) -> None:
     """out [n, topk] <- the best visible of keys [n, E, Di] for queries q [n, H, Di]."""
     scores = torch.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * scale
     scores = (scores * weights[:, :, None].float()).sum(dim=1)  # [n, E]

@@ -98,7 +98,9 @@ def sparse_attention(
     return out
 
 
-def _attend(q, keys, allowed, sinks, scale: float) -> torch.Tensor:  # noqa: ANN001
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [n, H, D] over keys [n, K, D] (= values), allowed [n, K], plus a sink
     logit per head -> [n, H, D] in q.dtype."""
     keys = keys.float()
