@@ -16,6 +16,7 @@ from tinyengine.bench.roofline import (
     expected_distinct_experts,
     inventory_from_model,
     kv_bytes_per_token,
+    kv_read_fn,
     mean_decode_context,
 )
 from tinyengine.bench.routing import distinct_experts
@@ -115,3 +116,23 @@ def test_inventory_and_kv_of_a_deepseek() -> None:
     # The MLA latent cache: (kv_lora_rank 32 + rope 8) per token and layer, 2 layers.
     runner = SimpleNamespace(model=model, kv_caches=[], dtype=torch.bfloat16)
     assert kv_bytes_per_token(runner) == (32 + 8) * 2 * 2
+
+
+def test_deepseek_v4_decode_reads_its_window_and_entries_not_its_whole_cache() -> None:
+    """V4's roofline counts what a decode step reads (the model's
+    decode_cache_read_bytes), by hand for V4-Flash's widths at 4k context."""
+    from tinyengine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from tinyengine.tools.make_v4 import preset_config
+
+    config = preset_config("deepseek-v4-flash-proxy")
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    runner = SimpleNamespace(model=model, kv_caches=[], dtype=torch.bfloat16)
+    read = kv_read_fn(runner)
+    window = 4 * 128 * 512 * 2  # four layers' last 128 raw rows
+    csa = 512 * 512 * 2 + 1024 * 128 * 2 + 2 * (4 * 512 + 4 * 128) * 4  # top-k, index keys, state
+    hca = 32 * 512 * 2 + 2 * 512 * 4  # 4096 / 128 entries, state
+    assert read(4096.0) == window + csa + hca
+    assert read(4096.0) < kv_bytes_per_token(runner) * 4096 / 10  # far from the whole cache
+    no_hook = SimpleNamespace(model=SimpleNamespace(), dtype=torch.bfloat16)
+    assert kv_read_fn(no_hook) is None

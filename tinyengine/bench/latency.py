@@ -239,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
     runner = llm.engine.runner
     inventory = roofline.inventory_from_model(runner.model, llm.engine.hf_config)
     kv_per_token = roofline.kv_bytes_per_token(runner)
+    kv_read = roofline.kv_read_fn(runner)
     context = roofline.mean_decode_context(args.input_len, args.output_len)
     result["weights"] = {
         "total_bytes": inventory.total_bytes,
@@ -264,7 +265,7 @@ def _run(args: argparse.Namespace) -> int:
     def line(b: int) -> roofline.DecodeRoofline:
         bytes_per_s = bandwidth["bytes_per_s"]
         return roofline.decode_roofline(
-            inventory, kv_per_token, b, context, bytes_per_s, experts(b)
+            inventory, kv_per_token, b, context, bytes_per_s, experts(b), kv_read
         )
 
     result["runs"] = []

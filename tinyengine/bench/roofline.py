@@ -34,6 +34,8 @@ run the model or measure anything (membw.py measures the bandwidth).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -105,14 +107,18 @@ def decode_roofline(
     mean_context: float,
     bandwidth: float,
     experts_touched: list[float] | None = None,
+    kv_read: Callable[[float], float] | None = None,
 ) -> DecodeRoofline:
     """The roofline of one decode step of `batch` sequences, each attending
     over `mean_context` cached tokens, at `bandwidth` bytes/s (MoE layers:
-    `experts_touched` as in WeightInventory.bytes_touched)."""
+    `experts_touched` as in WeightInventory.bytes_touched). A sequence reads
+    kv_bytes_per_token x mean_context of cache, or `kv_read(mean_context)`
+    for a model that reads less than all of it (kv_read_fn)."""
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
     weights = inventory.bytes_touched(batch, experts_touched)
-    kv = float(kv_bytes_per_token) * mean_context * batch
+    per_seq = kv_read(mean_context) if kv_read else float(kv_bytes_per_token) * mean_context
+    kv = per_seq * batch
     total = weights + kv
     step_s = total / bandwidth
     return DecodeRoofline(
@@ -177,3 +183,14 @@ def kv_bytes_per_token(runner: Any) -> int:
 
     tokens = 1024
     return bytes_per_block(runner.model.kv_cache_spec(), tokens, runner.dtype) // tokens
+
+
+def kv_read_fn(runner: Any) -> Callable[[float], float] | None:
+    """The cache bytes one sequence's decode step must read at a context,
+    when the model says (DeepSeek-V4: its window, the entries it selects or
+    scores, the compressor state amortised per window); None: all of it."""
+    read = getattr(runner.model, "decode_cache_read_bytes", None)
+    if read is None:
+        return None
+    itemsize = runner.dtype.itemsize
+    return lambda context: read(context, itemsize)

@@ -127,6 +127,7 @@ def decode_roofline(llm: Any, decode: dict[str, Any]) -> dict[str, Any]:
         round(batch),
         decode["mean_context_tokens"] / batch,
         read_bandwidth(runner.device.type, None, None)["bytes_per_s"],
+        kv_read=roofline.kv_read_fn(runner),
     )
     per_step = decode["per_step"]
     return {

@@ -362,6 +362,30 @@ class DeepseekV4ForCausalLM(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
         return self.model(input_ids, positions, ctx)
 
+    def decode_cache_read_bytes(self, context: float, itemsize: int) -> float:
+        """The cache bytes one sequence's decode step must read at `context`
+        tokens (the benchmarks' roofline): every layer's window of raw KV; CSA
+        the indexer's top-k entries and every index key it scores; HCA every
+        entry; and the fp32 compressor state of a window (2m rows with
+        overlap, m without), amortised over the m tokens that complete it."""
+        d = self.args.attention
+        total = 0.0
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            total += min(d.sliding_window, context) * d.head_dim * itemsize
+            if attn.layer_type == SLIDING:
+                continue
+            entries = context // attn.ratio
+            if attn.layer_type == CSA:
+                total += min(d.index_topk, entries) * d.head_dim * itemsize
+                total += entries * d.index_head_dim * itemsize
+                # 2m rows of [kv | gate] at 2 x dim, fp32, per m tokens.
+                total += 2 * (4 * d.head_dim + 4 * d.index_head_dim) * 4
+            else:
+                total += entries * d.head_dim * itemsize
+                total += 2 * d.head_dim * 4  # m rows of [kv | gate] per m tokens
+        return total
+
     def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
         return []  # the reference MoE has no per-size kernels to warm up
 
