@@ -35,7 +35,6 @@ run the model or measure anything (membw.py measures the bandwidth).
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
