@@ -134,3 +134,14 @@ def test_config_json_legacy_spellings(tiny, tmp_path):
     assert args.attention.rope_dim == 8
     with pytest.raises(ValueError, match="layer_types"):
         DeepseekV4Args({**config, "layer_types": ["sliding_attention"] * 3 + ["dense"]})
+
+
+def test_long_chunks_attend_in_query_tiles(tiny, model):
+    """Chunks longer than the reference's 256-query tile (a prompt of 300,
+    then 200 more after it): each tile reads only the raw rows its window
+    reaches, and the logits still match HF."""
+    ids = _tokens(500, 8)
+    ref = hf_logits(tiny, ids)
+    harness = PagedHarness(model, block_size=16, num_blocks=40)
+    got = [harness.step({0: ids[:300]})[0], harness.step({0: ids[300:]})[0]]
+    torch.testing.assert_close(torch.cat(got), ref, atol=TOL, rtol=0)

@@ -67,8 +67,7 @@ def indexer_topk(
         keys = flat[entry_slots(attn.block_tables[i], entries, ratio, block_size, rows)]
         positions = torch.arange(end - (hi - lo), end, device=q.device)
         visible = entries[None, :] < ((positions + 1) // ratio)[:, None]
-        _choose(out[lo:hi], q[lo:hi], weights[lo:hi], keys.expand(hi - lo, -1, -1), visible,
-                topk, scale)  # fmt: skip
+        _choose(out[lo:hi], q[lo:hi], weights[lo:hi], keys, visible, topk, scale)
     return out
 
 
@@ -81,11 +80,13 @@ def _choose(
     topk: int,
     scale: float,
 ) -> None:
-    """out [n, topk] <- the best visible of keys [n, E, Di] for queries q [n, H, Di]."""
-    scores = torch.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * scale
+    """out [n, topk] <- the best visible of keys ([E, Di] shared by the rows,
+    or [n, E, Di] per row) for queries q [n, H, Di]."""
+    spec = "thd,ed->the" if keys.dim() == 2 else "thd,ted->the"
+    scores = torch.relu(torch.einsum(spec, q.float(), keys.float())) * scale
     scores = (scores * weights[:, :, None].float()).sum(dim=1)  # [n, E]
     scores = scores.masked_fill(~visible, float("-inf"))
-    k = min(topk, keys.shape[1])
+    k = min(topk, visible.shape[1])
     # Equal scores (all heads' ReLUs at 0 give exact zeros) go to the lower
     # entry id: a stable sort, so the choice never depends on how many
     # entries the row happens to hold.

@@ -15,7 +15,8 @@ joins the max and the normalisation, then is dropped).
 Pure tensor code. Decode rows (one new token) go together through device
 ops only, at fixed sizes (window rows; the top-k picks, or every entry
 max_seq_len allows); a sequence with a longer chunk goes alone with host
-lengths (compressor/reference.py's split_rows).
+lengths (compressor/reference.py's split_rows), in tiles of 256 queries that
+each read only the raw rows their windows reach.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def sparse_attention(
                 seen = picks < ((pos + 1) // ratio)[:, None]
             entry_keys = flat_entries[entry_slots(tables, picks, ratio, block_size, rows)]
             keys, allowed = torch.cat([keys, entry_keys], 1), torch.cat([allowed, seen], 1)
-        attended = _attend(split.take(q), keys, allowed, sinks, scale)
+        attended = _attend(split.take(q), [(keys, allowed)], sinks, scale)
         if split.rows is None:
             return attended
         out.index_copy_(0, split.rows, attended)
@@ -74,38 +75,56 @@ def sparse_attention(
         end = attn.seq_lens_cpu[i]
         lo, hi = starts[i], starts[i + 1]
         table = attn.block_tables[i]
-        q_pos = torch.arange(end - (hi - lo), end, device=q.device)  # [q_len]
-        first = max(0, end - (hi - lo) - window + 1)
-        k_pos = torch.arange(first, end, device=q.device)
-        keys = flat_kv[token_slots(table, k_pos, block_size)]
-        distance = q_pos[:, None] - k_pos[None, :]
-        allowed = (distance >= 0) & (distance < window)  # [q_len, n_raw]
-        if flat_entries is not None:
+        entries = entry_keys = None
+        if flat_entries is not None and end >= ratio:  # some window complete
             entries = torch.arange(end // ratio, device=q.device)
-            keys = torch.cat([keys, flat_entries[entry_slots(table, entries, ratio, block_size,
-                                                             rows)]], dim=0)  # fmt: skip
-            visible = entries[None, :] < ((q_pos + 1) // ratio)[:, None]
-            if topk_indices is not None:
-                chosen = torch.zeros_like(visible)
-                picks = topk_indices[lo:hi]
-                rows_of = torch.arange(hi - lo, device=q.device)[:, None].expand_as(picks)
-                valid = picks >= 0
-                chosen[rows_of[valid], picks[valid]] = True
-                visible &= chosen
-            allowed = torch.cat([allowed, visible], dim=1)
-        n = hi - lo
-        out[lo:hi] = _attend(q[lo:hi], keys.expand(n, -1, -1), allowed, sinks, scale)
+            entry_keys = flat_entries[entry_slots(table, entries, ratio, block_size, rows)]
+        # Query tiles: each reads the raw rows its window can reach, so the
+        # work is q_len x (tile + window), not q_len squared.
+        for t0 in range(lo, hi, _QUERY_TILE):
+            t1 = min(t0 + _QUERY_TILE, hi)
+            q_pos = torch.arange(end - (hi - t0), end - (hi - t1), device=q.device)
+            first = max(0, end - (hi - t0) - window + 1)
+            k_pos = torch.arange(first, end - (hi - t1), device=q.device)
+            distance = q_pos[:, None] - k_pos[None, :]
+            parts = [(flat_kv[token_slots(table, k_pos, block_size)],
+                      (distance >= 0) & (distance < window))]  # fmt: skip
+            if entry_keys is not None:
+                visible = entries[None, :] < ((q_pos + 1) // ratio)[:, None]
+                if topk_indices is None:
+                    parts.append((entry_keys, visible))
+                else:  # only the indexer's picks, gathered per query
+                    picks = topk_indices[t0:t1]
+                    parts.append((entry_keys[picks.clamp(min=0)], picks >= 0))
+            out[t0:t1] = _attend(q[t0:t1], parts, sinks, scale)
     return out
 
 
+_QUERY_TILE = 256
+
+
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor,
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+    sinks: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """q [n, H, D] over keys [n, K, D] (= values), allowed [n, K], plus a sink
-    logit per head -> [n, H, D] in q.dtype."""
-    keys = keys.float()
-    logits = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
-    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    """q [n, H, D] over one softmax across several key sets (keys = values):
+    each (keys, allowed [n, K]) with keys [K, D] shared by the rows or
+    [n, K, D] per row; plus a sink logit per head. -> [n, H, D] in q.dtype."""
+    qf = q.float()
+    logits = []
+    for keys, allowed in parts:
+        spec = "thd,kd->thk" if keys.dim() == 2 else "thd,tkd->thk"
+        part = torch.einsum(spec, qf, keys.float()) * scale
+        logits.append(part.masked_fill(~allowed[:, None, :], float("-inf")))
     sink = sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
-    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+    probs = torch.cat([*logits, sink], dim=-1).softmax(dim=-1)
+    out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+    start = 0
+    for (keys, _), part in zip(parts, logits, strict=True):
+        width = part.shape[-1]
+        spec = "thk,kd->thd" if keys.dim() == 2 else "thk,tkd->thd"
+        out += torch.einsum(spec, probs[..., start : start + width], keys.float())
+        start += width
+    return out.to(q.dtype)
