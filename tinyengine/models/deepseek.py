@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import (
+    CausalLM,
     DecoderStack,
-    ParallelLMHead,
     PreNormDecoderLayer,
     RMSNorm,
     VocabParallelEmbedding,
@@ -185,7 +184,7 @@ class DeepseekModel(DecoderStack):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     # Checkpoint module name -> (fused module name, shard id); dense and
     # shared-expert MLPs. Routed experts go through route_checkpoint_name.
     packed_modules_mapping: dict[str, tuple[str, Any]] = {
@@ -204,17 +203,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         check_tp(tp_rank, tp_size)
         self.args = args = DeepseekArgs(hf_config, is_v3=self._is_v3)
         self.model = DeepseekModel(args, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp_rank, tp_size)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        # Read by the worker and the tests.
-        self.num_attention_layers = args.num_hidden_layers
-        self.hidden_size = args.hidden_size
-        self.vocab_size = args.vocab_size
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.args.tie_word_embeddings
+        self._add_lm_head(tp_rank, tp_size)
 
     def skips_checkpoint_name(self, ckpt_name: str) -> bool:
         """Names the loader ignores: with n_shared_experts = 0, transformers
@@ -238,12 +227,6 @@ class DeepseekV2ForCausalLM(nn.Module):
         """One latent row (kv_lora_rank + qk_rope_head_dim) per token and layer."""
         return KVCacheSpec(self.num_attention_layers, 1, self.args.mla.latent_width, 0)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
-
     def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
         """Token counts whose kernel tile classes warmup must run: the first
         count of each fused-MoE size class (kernels/moe/tiles.py) over the
@@ -255,11 +238,6 @@ class DeepseekV2ForCausalLM(nn.Module):
             for n in m.warmup_token_counts(max_num_batched_tokens)
         }
         return sorted(counts)
-
-    def compute_logits(self, hidden_states: torch.Tensor, ops: OpSet) -> torch.Tensor:
-        """[N, hidden] -> logits [N, vocab_size] in the model's dtype (the
-        sampler widens them; see LlamaForCausalLM.compute_logits)."""
-        return self.lm_head(hidden_states, ops)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -46,7 +46,7 @@ from tinyengine.models.deepseek_v4_attention import (
 )
 from tinyengine.models.hyper_connections import HyperConnection, HyperHead, expand_streams
 from tinyengine.models.layers import (
-    ParallelLMHead,
+    CausalLM,
     ReplicatedLinear,
     RMSNorm,
     VocabParallelEmbedding,
@@ -328,7 +328,7 @@ def checkpoint_to_param(name: str) -> tuple[str, Any]:
     return f"model.layers.{layer}.{rest}", None
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLM):
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -336,16 +336,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         check_tp(tp_rank, tp_size)
         self.args = args = DeepseekV4Args(hf_config)
         self.model = DeepseekV4Model(args)
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, 0, 1)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.num_attention_layers = args.num_hidden_layers
-        self.hidden_size = args.hidden_size
-        self.vocab_size = args.vocab_size
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.args.tie_word_embeddings
+        self._add_lm_head(tp_rank, tp_size)
 
     def skips_checkpoint_name(self, ckpt_name: str) -> bool:
         return ckpt_name.removeprefix("model.").startswith("mtp.")
@@ -357,10 +348,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         return HybridCacheSpec(
             tuple(layer.self_attn.cache_tensors() for layer in self.model.layers)
         )
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
-        return self.model(input_ids, positions, ctx)
 
     def decode_cache_read_bytes(self, context: float, itemsize: int) -> float:
         """The cache bytes one sequence's decode step must read at `context`
@@ -388,6 +375,3 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
         return []  # the reference MoE has no per-size kernels to warm up
-
-    def compute_logits(self, hidden_states: torch.Tensor, ops: OpSet) -> torch.Tensor:
-        return self.lm_head(hidden_states, ops)

@@ -1,6 +1,8 @@
 """Building blocks shared by the model families: linear layers whose parameters
-know how to load themselves, embeddings, RMSNorm, SiLU-and-mul, and the paged
-attention layer that talks to the KV cache through the ForwardContext.
+know how to load themselves, embeddings, RMSNorm, SiLU-and-mul, the paged
+attention layer that talks to the KV cache through the ForwardContext, the
+decoder wiring, and `CausalLM`, the LM head and entry points every
+*ForCausalLM shares.
 
 Owns the parameter layouts (e.g. q, k and v stacked in one `qkv_proj` weight)
 and each parameter's `weight_loader(param, loaded_tensor, shard_id)`, the only
@@ -353,3 +355,43 @@ class PagedAttention(nn.Module):
             seq_lens_cpu=attn.seq_lens_cpu or None,
             workspace=ctx.workspace,
         )
+
+
+class CausalLM(nn.Module):
+    """What every *ForCausalLM shares. A subclass builds `self.args` (with
+    vocab_size, hidden_size, num_hidden_layers, tie_word_embeddings) and
+    `self.model` (with embed_tokens, called as model(input_ids, positions,
+    ctx)), then calls `_add_lm_head`."""
+
+    args: Any
+    model: nn.Module
+
+    def _add_lm_head(self, tp_rank: int, tp_size: int) -> None:
+        a = self.args
+        self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, tp_rank, tp_size)
+        if a.tie_word_embeddings:
+            # One Parameter under two names; named_parameters() reports it once
+            # (as model.embed_tokens.weight), which is what the loader fills.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Read by the worker (KV allocation, activation estimates) and the tests.
+        self.num_attention_layers = a.num_hidden_layers
+        self.hidden_size = a.hidden_size
+        self.vocab_size = a.vocab_size
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.args.tie_word_embeddings
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden_states: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        """[N, hidden] -> logits [N, vocab_size] in the model's dtype. The runner
+        passes only the rows it samples from, so the vocab matmul is not done for
+        every token. No fp32 copy here: at batch 256 and a 152k vocabulary it
+        costs more than the sampling kernel; the sampler widens the values it
+        needs (the fused kernel in registers)."""
+        return self.lm_head(hidden_states, ops)

@@ -19,10 +19,10 @@ from torch import nn
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import (
+    CausalLM,
     DecoderStack,
     MergedColumnParallelLinear,
     PagedAttention,
-    ParallelLMHead,
     PreNormDecoderLayer,
     QKVParallelLinear,
     RMSNorm,
@@ -209,7 +209,7 @@ class LlamaModel(DecoderStack):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     # Checkpoint module name -> (fused module name, shard id in it).
     packed_modules_mapping: dict[str, tuple[str, Any]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -231,43 +231,17 @@ class LlamaForCausalLM(nn.Module):
         )
         self.args = args
         self.model = LlamaModel(args, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp_rank, tp_size)
-        if args.tie_word_embeddings:
-            # One Parameter under two names; named_parameters() reports it once
-            # (as model.embed_tokens.weight), which is what the loader fills.
-            self.lm_head.weight = self.model.embed_tokens.weight
-        # Read by the worker (KV allocation, activation estimates).
-        self.num_attention_layers = args.num_hidden_layers
-        self.hidden_size = args.hidden_size
-        self.vocab_size = args.vocab_size
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.args.tie_word_embeddings
+        self._add_lm_head(tp_rank, tp_size)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.args
         return KVCacheSpec(self.num_attention_layers, a.num_kv_heads, a.head_dim, a.head_dim)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
 
     def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
         """Token counts whose kernel tile classes warmup must run: none (the
         dense layers' kernels pick tiles by query length, which warmup covers
         with its power-of-two prefills)."""
         return []
-
-    def compute_logits(self, hidden_states: torch.Tensor, ops: OpSet) -> torch.Tensor:
-        """[N, hidden] -> logits [N, vocab_size] in the model's dtype. The runner
-        passes only the rows it samples from, so the vocab matmul is not done for
-        every token. No fp32 copy here: at batch 256 and a 152k vocabulary it
-        costs more than the sampling kernel; the
-        sampler widens the values it needs (the fused kernel in registers)."""
-        return self.lm_head(hidden_states, ops)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
