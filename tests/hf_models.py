@@ -173,3 +173,22 @@ def hf_greedy(
         tokens.append(out.sequences[0, len(prompt) :].tolist())
         logits.append([step[0].float() for step in out.logits])
     return tokens, logits
+
+
+def assert_greedy_matches(
+    outs: list, tokens: list[list[int]], logprobs: list, tol: float = 1e-4
+) -> None:
+    """Engine outputs of a greedy run with logprobs (ignore_eos, as many new
+    tokens as HF generated) against HF's: the same tokens, finish "length",
+    and every returned logprob within `tol` of HF's (`logprobs[i][step]`: the
+    log-softmax of HF's logits at that step)."""
+    for i, out in enumerate(outs):
+        completion = out.outputs[0]
+        prompt_len = len(out.prompt_token_ids)
+        assert completion.token_ids == tokens[i], f"prompt {i} (len {prompt_len})"
+        assert completion.finish_reason == "length"
+        assert len(completion.logprobs) == len(tokens[i])
+        for step, entries in enumerate(completion.logprobs):
+            for token_id, lp in entries.items():
+                ref = logprobs[i][step][token_id].item()
+                assert abs(lp.logprob - ref) <= tol, (i, step, token_id, lp.logprob, ref)

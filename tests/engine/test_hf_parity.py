@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from tests.hf_models import hf_greedy, make_tiny_hf_model
+from tests.hf_models import assert_greedy_matches, hf_greedy, make_tiny_hf_model
 from tinyengine import LLM, SamplingParams
 
 MAX_NEW = 10
@@ -70,23 +70,11 @@ def _run(path: str, prompts: list[list[int]] = PROMPTS, **config) -> tuple[LLM, 
     return llm, outs
 
 
-def _assert_matches(outs, tokens, logprobs) -> None:
-    for i, out in enumerate(outs):
-        completion = out.outputs[0]
-        assert completion.token_ids == tokens[i], f"prompt {i} (len {len(PROMPTS[i])})"
-        assert completion.finish_reason == "length"
-        assert len(completion.logprobs) == MAX_NEW
-        for step, entries in enumerate(completion.logprobs):
-            for token_id, lp in entries.items():
-                ref = logprobs[i][step][token_id].item()
-                assert abs(lp.logprob - ref) <= TOL, (i, step, token_id, lp.logprob, ref)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_hf(model_and_reference, name):
     path, tokens, logprobs = model_and_reference
     llm, outs = _run(path, **CONFIGS[name])
-    _assert_matches(outs, tokens, logprobs)
+    assert_greedy_matches(outs, tokens, logprobs)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
     if name.startswith("preempt"):
@@ -98,13 +86,13 @@ def test_greedy_matches_hf(model_and_reference, name):
 def test_prefix_cache_hits_give_same_tokens(model_and_reference):
     path, tokens, logprobs = model_and_reference
     llm, first = _run(path)
-    _assert_matches(first, tokens, logprobs)
+    assert_greedy_matches(first, tokens, logprobs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
     again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     stats = llm.stats()
     assert stats["prefix_cache_hit_tokens"] > 0
     assert any(o.num_cached_tokens > 0 for o in again)
-    _assert_matches(again, tokens, logprobs)
+    assert_greedy_matches(again, tokens, logprobs)
 
 
 def test_prefix_hits_within_one_batch_with_small_budget(model_and_reference):
@@ -112,7 +100,7 @@ def test_prefix_hits_within_one_batch_with_small_budget(model_and_reference):
     first one computed earlier in the same generate call."""
     path, tokens, logprobs = model_and_reference
     llm, outs = _run(path, max_num_batched_tokens=48, max_num_seqs=2)
-    _assert_matches(outs, tokens, logprobs)
+    assert_greedy_matches(outs, tokens, logprobs)
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
 
 
@@ -129,7 +117,7 @@ def test_greedy_matches_hf_with_triton_kernels(llama_and_reference, name):
     """The engine configurations under the Triton kernels, on llama."""
     path, tokens, logprobs = llama_and_reference
     llm, outs = _run(path, attention_backend="triton", **TRITON_CONFIGS[name])
-    _assert_matches(outs, tokens, logprobs)
+    assert_greedy_matches(outs, tokens, logprobs)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     if name == "chunked_preempt":

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tests.hf_deepseek import hf_greedy, make_tiny_deepseek
+from tests.hf_models import assert_greedy_matches
 from tinyengine import LLM, SamplingParams
 from tinyengine.models.mla import MLAAttention
 
 MAX_NEW = 8
-TOL = 1e-4
 
 
 def _prompts() -> list[list[int]]:
@@ -78,16 +78,6 @@ def _run(path: str, prompts: list[list[int]] = PROMPTS, **config) -> tuple[LLM, 
     return llm, outs
 
 
-def _assert_matches(outs, tokens, logprobs) -> None:
-    for i, out in enumerate(outs):
-        completion = out.outputs[0]
-        assert completion.token_ids == tokens[i], f"prompt {i} (len {len(PROMPTS[i])})"
-        for step, entries in enumerate(completion.logprobs):
-            for token_id, lp in entries.items():
-                ref = logprobs[i][step][token_id].item()
-                assert abs(lp.logprob - ref) <= TOL, (i, step, token_id, lp.logprob, ref)
-
-
 CONFIGS = {
     "default": {},
     "chunked": {"max_num_batched_tokens": 16},  # long prompts in chunks, mixed with decodes
@@ -100,7 +90,7 @@ CONFIGS = {
 def test_greedy_matches_hf(model_and_reference, mla_paths, name):
     path, tokens, logprobs = model_and_reference
     llm, outs = _run(path, **CONFIGS[name])
-    _assert_matches(outs, tokens, logprobs)
+    assert_greedy_matches(outs, tokens, logprobs)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
     assert mla_paths["absorbed"] > 0 and mla_paths["expanded"] > 0
@@ -113,12 +103,12 @@ def test_greedy_matches_hf(model_and_reference, mla_paths, name):
 def test_prefix_cache_hits_give_same_tokens(model_and_reference):
     path, tokens, logprobs = model_and_reference
     llm, first = _run(path)
-    _assert_matches(first, tokens, logprobs)
+    assert_greedy_matches(first, tokens, logprobs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
     again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
     assert any(o.num_cached_tokens > 0 for o in again)
-    _assert_matches(again, tokens, logprobs)
+    assert_greedy_matches(again, tokens, logprobs)
 
 
 def test_decode_graphs_use_no_host_lengths(model_and_reference):
@@ -127,7 +117,7 @@ def test_decode_graphs_use_no_host_lengths(model_and_reference):
     path, tokens, logprobs = model_and_reference
     llm, outs = _run(path, PROMPTS[:6], graph_backend="recording", max_num_seqs=4,
                      cuda_graph_sizes=[1, 2, 4], max_model_len=128)  # fmt: skip
-    _assert_matches(outs, tokens[:6], logprobs[:6])
+    assert_greedy_matches(outs, tokens[:6], logprobs[:6])
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.backend.num_replays > 0
 
@@ -142,7 +132,7 @@ def test_triton_attention_backend(model_and_reference):
         path, PROMPTS[2:4], attention_backend="triton", max_num_seqs=2, max_model_len=32,
         max_num_batched_tokens=32,
     )  # fmt: skip
-    _assert_matches(outs, tokens[2:4], logprobs[2:4])
+    assert_greedy_matches(outs, tokens[2:4], logprobs[2:4])
 
 
 @pytest.mark.gpu

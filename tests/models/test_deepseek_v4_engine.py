@@ -16,10 +16,10 @@ import torch
 
 from tests.hf_deepseek import hf_greedy
 from tests.hf_deepseek_v4 import make_tiny_v4
+from tests.hf_models import assert_greedy_matches
 from tinyengine import LLM, SamplingParams
 
 MAX_NEW = 12
-TOL = 1e-4
 
 
 def _prompts() -> list[list[int]]:
@@ -50,16 +50,6 @@ def _run(path: str, **config) -> tuple[LLM, list]:
     return llm, outs
 
 
-def _assert_matches(outs, tokens, logprobs) -> None:
-    for i, out in enumerate(outs):
-        completion = out.outputs[0]
-        assert completion.token_ids == tokens[i], f"prompt {i} (len {len(PROMPTS[i])})"
-        for step, entries in enumerate(completion.logprobs):
-            for token_id, lp in entries.items():
-                ref = logprobs[i][step][token_id].item()
-                assert abs(lp.logprob - ref) <= TOL, (i, step, token_id, lp.logprob, ref)
-
-
 def _assert_idle(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
@@ -83,7 +73,7 @@ CONFIGS = {
 def test_greedy_matches_hf(model_and_reference, name):
     path, tokens, logprobs = model_and_reference
     llm, outs = _run(path, **CONFIGS[name])
-    _assert_matches(outs, tokens, logprobs)
+    assert_greedy_matches(outs, tokens, logprobs)
     _assert_idle(llm)
     if name == "preempt":
         assert llm.stats()["num_preemptions"] > 0
@@ -95,11 +85,11 @@ def test_prefix_cache_hits_restore_every_kind_of_state(model_and_reference):
     cached prefix are what recomputing them would give."""
     path, tokens, logprobs = model_and_reference
     llm, first = _run(path, block_size=8)
-    _assert_matches(first, tokens, logprobs)
+    assert_greedy_matches(first, tokens, logprobs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
     again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in again) >= 200
-    _assert_matches(again, tokens, logprobs)
+    assert_greedy_matches(again, tokens, logprobs)
     _assert_idle(llm)
 
 
@@ -110,7 +100,7 @@ def test_decode_graphs_run_the_device_only_paths(model_and_reference):
     rows): same tokens and log-probabilities as HF."""
     path, tokens, logprobs = model_and_reference
     llm, outs = _run(path, graph_backend="recording", max_num_seqs=4, cuda_graph_sizes=[1, 2, 4])
-    _assert_matches(outs, tokens, logprobs)
+    assert_greedy_matches(outs, tokens, logprobs)
     assert llm.startup_report().captured_sizes == [1, 2, 4]
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.backend.num_replays > 20
