@@ -10,13 +10,12 @@ about flakiness.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import tinyengine.kernels.sampling.triton as sampling
 from tests.kernels.sampling_helpers import DEVICE, near_reference, randn
+from tests.worker.sampler_helpers import sample_without_host_sync
 from tinyengine.kernels.sampling.triton import gumbel_argmax_triton
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.worker.sampler import Sampler
@@ -200,20 +199,7 @@ def test_gpu_fast_path_no_host_sync() -> None:
         SamplingParams(temperature=1.0, seed=1, logprobs=5),
         SamplingParams(temperature=1.2),
     ]
-    params = [kinds[i % len(kinds)] for i in range(rows)]
-    gens = [sampler.new_generator(i) if p.seed is not None else None for i, p in enumerate(params)]
-    banned = [[0, 1, 2] if i % 3 == 0 else [] for i in range(rows)]
-    sampler(logits, params, gens, banned)  # warm up allocators and kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pending = sampler.sample(logits, params, gens, banned)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert syncs == [], syncs
+    params, pending = sample_without_host_sync(sampler, logits, kinds)
     out = pending.result()
     assert out.token_ids == pending.token_ids.tolist()
     assert all(out.token_ids[i] not in (0, 1, 2) for i in range(0, rows, 3))

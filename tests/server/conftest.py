@@ -108,6 +108,16 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
+def get_metrics(url: str) -> dict[str, float]:
+    """The server's /metrics as {name (with labels): value}."""
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
 def start_server(env: dict[str, str]) -> Iterator[ServerProcess]:
     """Start a server, wait until READY, yield it, stop it."""
     server = ServerProcess(env)

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, get_metrics
 from tinyengine.models_presets import DEFAULT_MODEL as MODEL
 from tinyengine.serve.settings import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_SEQUENCES
 
@@ -103,15 +103,6 @@ def first_token_seconds(url: str, body: dict) -> tuple[float, str]:
     return first, text
 
 
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def test_small_request_gets_its_first_token_while_a_4000_sequence_request_runs(readme_server):
     url = readme_server.url
     prompts = [f"Tell me about the number {i}" for i in range(NUM_PROMPTS)]
@@ -124,11 +115,11 @@ def test_small_request_gets_its_first_token_while_a_4000_sequence_request_runs(r
     worker.start()
     # Wait until the big request is in the engine and most of it still waits.
     deadline = time.monotonic() + 60
-    while metrics(url)["tinyengine_num_requests_waiting"] < NUM_PROMPTS * N / 2:
+    while get_metrics(url)["tinyengine_num_requests_waiting"] < NUM_PROMPTS * N / 2:
         assert time.monotonic() < deadline and worker.is_alive(), "the big request never queued"
         time.sleep(0.02)
     ttft, small_text = first_token_seconds(url, small_body)
-    still_waiting = metrics(url)["tinyengine_num_requests_waiting"]
+    still_waiting = get_metrics(url)["tinyengine_num_requests_waiting"]
     worker.join()
     big_seconds = time.monotonic() - started
     print(

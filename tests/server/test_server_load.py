@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import start_server
+from tests.server.conftest import get_metrics, start_server
 from tinyengine import LLM, SamplingParams
 
 ENGINE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=96)
@@ -37,15 +37,6 @@ def server(proxy_model: str):
         TINYENGINE_PRINT_STARTUP_REPORT="0",
     )
     yield from start_server(env)
-
-
-def get_metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
 
 
 def wait_until_idle(url: str, timeout: float = 30.0) -> dict[str, float]:

@@ -1,9 +1,13 @@
-"""Shared by the Sampler tests (test_sampler.py, test_sampler_filters.py):
-running a batch through a CPU Sampler, seeded random logits, many draws from
-one distribution, a float64 reference of the filter chain, and the check of
-returned logprobs against the raw log-softmax."""
+"""Shared by the Sampler tests (test_sampler.py, test_sampler_filters.py, and
+tests/kernels/test_sampling_sampler.py): running a batch through a CPU
+Sampler, seeded random logits, many draws from one distribution, a float64
+reference of the filter chain, the check of returned logprobs against the raw
+log-softmax, and a CUDA step that must launch without a host sync."""
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -74,3 +78,29 @@ def check_logprobs(logits: torch.Tensor, params: list[SamplingParams], out: Samp
         assert [lp for _, lp, _ in top] == sorted((lp for _, lp, _ in top), reverse=True)
         expected_top = ref[i].topk(p.logprobs).values.tolist() if p.logprobs else []
         assert [lp for _, lp, _ in top] == pytest.approx(expected_top, abs=1e-5)
+
+
+def sample_without_host_sync(
+    sampler: Any, logits: torch.Tensor, kinds: list[SamplingParams]
+) -> tuple[list[SamplingParams], Any]:
+    """A CUDA step under torch's sync debug mode (the engine launches the next
+    step while one samples, so `sample` must never wait for the device):
+    `sampler.sample` over logits' rows (params cycling through `kinds`,
+    every third row banning ids 0-2) after one warm-up call; asserts that no
+    device->host sync was reported and returns (params, the pending result)."""
+    rows = logits.shape[0]
+    params = [kinds[i % len(kinds)] for i in range(rows)]
+    gens = [sampler.new_generator(i) if p.seed is not None else None for i, p in enumerate(params)]
+    banned = [[0, 1, 2] if i % 3 == 0 else [] for i in range(rows)]
+    sampler(logits, params, gens, banned)  # warm up allocators and kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pending = sampler.sample(logits, params, gens, banned)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == [], syncs
+    return params, pending

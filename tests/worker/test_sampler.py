@@ -9,14 +9,18 @@ tolerance here is about the maths being right, not about flakiness.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.worker.sampler_helpers import allowed_tokens, check_logprobs, randn, sample
+from tests.worker.sampler_helpers import (
+    allowed_tokens,
+    check_logprobs,
+    randn,
+    sample,
+    sample_without_host_sync,
+)
 from tinyengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tinyengine.worker.sampler import Sampler
 
@@ -177,20 +181,7 @@ def test_cuda_no_host_sync_before_final_copy() -> None:
         SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=1, logprobs=5),
         SamplingParams(temperature=1.2),
     ]
-    params = [kinds[i % len(kinds)] for i in range(rows)]
-    gens = [sampler.new_generator(i) if p.seed is not None else None for i, p in enumerate(params)]
-    banned = [[0, 1, 2] if i % 3 == 0 else [] for i in range(rows)]
-    sampler(logits, params, gens, banned)  # warm up allocators and kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pending = sampler.sample(logits, params, gens, banned)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert syncs == [], syncs
+    params, pending = sample_without_host_sync(sampler, logits, kinds)
     assert pending.token_ids.is_cuda and pending.token_ids.shape == (rows,)
     out = pending.result()
     assert out.token_ids == pending.token_ids.tolist()
