@@ -160,12 +160,11 @@ def compress_windows(
         pos = split.seq_lens.long() - 1
         done = (pos + 1) % ratio == 0
         windows = ((pos + 1) // ratio - 1).clamp(min=0)
-        entries = pool.entries(tables, windows)
-        spare = token_slots(tables, pos[:, None], block_size)[:, 0] // block_size
-        spare = spare * pool.rows + pool.rows - 1
+        own_block = tables.gather(1, (pos // block_size)[:, None])[:, 0].long()
+        spare = own_block * pool.rows + pool.rows - 1
         rows = torch.where(done, entry_slots(tables, windows[:, None], ratio, block_size,
                                              pool.rows)[:, 0], spare)  # fmt: skip
-        pool.flat_entries.index_copy_(0, rows, entries.to(entry_cache.dtype))
+        pool.write(rows, pool.entries(tables, windows))
     starts = attn.query_start_loc_cpu
     for i in split.longer:
         end = attn.seq_lens_cpu[i]
@@ -174,9 +173,8 @@ def compress_windows(
             continue  # no window ends in this step's tokens
         windows = torch.arange(start // ratio, end // ratio, device=state_cache.device)
         table = attn.block_tables[i]
-        entries = pool.entries(table.expand(len(windows), -1), windows)
         rows = entry_slots(table, windows, ratio, block_size, pool.rows)
-        pool.flat_entries.index_copy_(0, rows, entries.to(entry_cache.dtype))
+        pool.write(rows, pool.entries(table.expand(len(windows), -1), windows))
 
 
 class _Pool:
@@ -201,6 +199,9 @@ class _Pool:
         self.ratio, self.overlap, self.eps = ratio, overlap, eps
         self.bias, self.norm_weight = position_bias.float(), norm_weight.float()
         self.cos_sin = cos_sin
+
+    def write(self, rows: torch.Tensor, entries: torch.Tensor) -> None:
+        self.flat_entries.index_copy_(0, rows, entries.to(self.flat_entries.dtype))
 
     def entries(self, tables: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """fp32 [n, D]: entry w of each window's sequence."""

@@ -39,11 +39,12 @@ def indexer_topk(
 ) -> torch.Tensor:
     """q [T, H, Di], weights [T, H] fp32, key_cache [num_blocks, rows, Di]
     -> int64 [T, topk] entry indices per query, -1 where none."""
-    out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     flat = key_cache.view(-1, key_cache.shape[-1])
     rows = key_cache.shape[1]
     split = split_rows(attn)
     num_entries = attn.max_seq_len // ratio
+    if split.rows is not None or split.longer or not num_entries:
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     if split.num_decode and num_entries:
         # Decode rows: each scores the max_seq_len // ratio entries a sequence
         # of the step can have, those it cannot see yet masked.

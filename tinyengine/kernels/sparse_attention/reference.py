@@ -46,7 +46,8 @@ def sparse_attention(
     flat_entries = None if entry_cache is None else entry_cache.view(-1, entry_cache.shape[-1])
     rows = 0 if entry_cache is None else entry_cache.shape[1]
     split = split_rows(attn)
-    out = torch.zeros_like(q)
+    if split.rows is not None or split.longer:
+        out = torch.zeros_like(q)  # padding rows stay 0
     if split.num_decode:
         # Decode rows: one query per row at p = seq_len - 1; the window's
         # `window` positions and the entries are gathered at fixed sizes,
