@@ -22,8 +22,8 @@ import zlib
 import torch
 from torch import nn
 
-# A folder holding this file has no weights by design (a
-# dummy-weight preset), so load_format="auto" makes them up instead of failing.
+# A folder holding this file has no weights by design (a dummy-weight
+# preset), so load_format="auto" makes them up instead of failing.
 DUMMY_MARKER = "tinyengine-dummy-weights"
 _CHUNK = 1 << 24
 
@@ -44,6 +44,7 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int = 0) -> None:
                     noise = torch.randn(n, generator=gen, device=param.device) * std
                     flat[start : start + n] = noise.to(param.dtype)
             else:
-                leaf = name.rsplit(".", 2)
-                is_one = any(word in part for part in leaf for word in ("norm", "scale"))
+                # The module's and the parameter's own names, e.g. "kv_norm", "weight".
+                parts = name.rsplit(".", 2)
+                is_one = any(word in part for part in parts for word in ("norm", "scale"))
                 param.fill_(1.0 if is_one else 0.0)

@@ -146,7 +146,6 @@ class Scheduler:
         if self.waiting and self.running_per_group:
             self._make_room_for_idle_groups(out)
         fair_victims = list(out.preempted)
-        num_fair_preempted = len(fair_victims)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -163,7 +162,7 @@ class Scheduler:
 
         # No admissions in a step that ran out of blocks: the freed blocks are
         # owed to the preempted requests, now at the heads of their groups.
-        if len(out.preempted) > num_fair_preempted or not self.waiting:
+        if len(out.preempted) > len(fair_victims) or not self.waiting:
             return self._done(out)
         admission = self.waiting.admission(self.running_per_group)
         while budget > 0 and len(self.running) < self.max_num_seqs:
