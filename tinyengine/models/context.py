@@ -40,6 +40,12 @@ class AttentionMetadata:
     # path); kernels meant for CUDA graphs read only the device tensors.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # A model with a second cache group (DeepSeek-V4, see HybridCacheSpec):
+    # block_tables / slot_mapping are its per-token sliding group, whose
+    # blocks older than the kept span point at a null block, and this table
+    # [num_seqs, max_blocks_per_seq] is the full-history group holding the
+    # compressed entries. None: one group, block_tables holds everything.
+    entry_block_tables: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ class RowSplit:
     with a longer chunk, done one by one with host lengths."""
 
     seq_lens: torch.Tensor  # [n] of the one-token sequences
-    tables: torch.Tensor  # [n, width] their block table rows
+    tables: torch.Tensor  # [n, width] their block table rows (per-token tensors)
+    entry_tables: torch.Tensor  # [n, width] the same for the compressed entries
     rows: torch.Tensor | None  # [n] their rows in q (None: rows 0..n-1, the whole batch)
     longer: list[int]  # indices of the sequences with a longer chunk
 
@@ -111,17 +112,24 @@ class RowSplit:
 def split_rows(attn: Any) -> RowSplit:
     """A graph-shaped step (no host lengths; padding rows are one-token
     sequences) is all decode rows; an eager step is split by its host lengths."""
+    entries = entry_tables(attn)
     if attn.seq_lens_cpu is None:
-        return RowSplit(attn.seq_lens, attn.block_tables, None, [])
+        return RowSplit(attn.seq_lens, attn.block_tables, entries, None, [])
     starts = attn.query_start_loc_cpu
     ones = [i for i in range(attn.num_seqs) if starts[i + 1] - starts[i] == 1]
     longer = [i for i in range(attn.num_seqs) if starts[i + 1] - starts[i] > 1]
     if len(ones) == attn.num_seqs == attn.num_tokens:
-        return RowSplit(attn.seq_lens, attn.block_tables, None, [])
+        return RowSplit(attn.seq_lens, attn.block_tables, entries, None, [])
     device = attn.seq_lens.device
     seqs = torch.tensor(ones, dtype=torch.long, device=device)
     rows = torch.tensor([starts[i] for i in ones], dtype=torch.long, device=device)
-    return RowSplit(attn.seq_lens[seqs], attn.block_tables[seqs], rows, longer)
+    return RowSplit(attn.seq_lens[seqs], attn.block_tables[seqs], entries[seqs], rows, longer)
+
+
+def entry_tables(attn: Any) -> torch.Tensor:
+    """The block table of the compressed entries: the full-history cache
+    group's when the model has two (AttentionMetadata.entry_block_tables)."""
+    return attn.block_tables if attn.entry_block_tables is None else attn.entry_block_tables
 
 
 def check_ratio(ratio: int, block_size: int) -> None:
@@ -156,13 +164,13 @@ def compress_windows(
         # One token per row: row b completes window w = (p + 1) / ratio - 1
         # when (p + 1) % ratio == 0; every row computes one, the others go to
         # the spare row of their token's block.
-        tables = split.tables
+        tables, at = split.tables, split.entry_tables
         pos = split.seq_lens.long() - 1
         done = (pos + 1) % ratio == 0
         windows = ((pos + 1) // ratio - 1).clamp(min=0)
-        own_block = tables.gather(1, (pos // block_size)[:, None])[:, 0].long()
+        own_block = at.gather(1, (pos // block_size)[:, None])[:, 0].long()
         spare = own_block * pool.rows + pool.rows - 1
-        rows = torch.where(done, entry_slots(tables, windows[:, None], ratio, block_size,
+        rows = torch.where(done, entry_slots(at, windows[:, None], ratio, block_size,
                                              pool.rows)[:, 0], spare)  # fmt: skip
         pool.write(rows, pool.entries(tables, windows))
     starts = attn.query_start_loc_cpu
@@ -172,9 +180,9 @@ def compress_windows(
         if end // ratio <= start // ratio:
             continue  # no window ends in this step's tokens
         windows = torch.arange(start // ratio, end // ratio, device=state_cache.device)
-        table = attn.block_tables[i]
-        rows = entry_slots(table, windows, ratio, block_size, pool.rows)
-        pool.write(rows, pool.entries(table.expand(len(windows), -1), windows))
+        rows = entry_slots(entry_tables(attn)[i], windows, ratio, block_size, pool.rows)
+        table = attn.block_tables[i].expand(len(windows), -1)
+        pool.write(rows, pool.entries(table, windows))
 
 
 class _Pool:

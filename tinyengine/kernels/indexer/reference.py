@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tinyengine.kernels.compressor.reference import entry_slots, split_rows
+from tinyengine.kernels.compressor.reference import entry_slots, entry_tables, split_rows
 
 
 def indexer_topk(
@@ -50,7 +50,8 @@ def indexer_topk(
         # of the step can have, those it cannot see yet masked.
         entries = torch.arange(num_entries, device=q.device)
         n = split.num_decode
-        keys = flat[entry_slots(split.tables, entries.expand(n, -1), ratio, block_size, rows)]
+        slots = entry_slots(split.entry_tables, entries.expand(n, -1), ratio, block_size, rows)
+        keys = flat[slots]
         visible = entries[None, :] < (split.seq_lens.long() // ratio)[:, None]
         picked = torch.full((n, topk), -1, dtype=torch.long, device=q.device)
         _choose(picked, split.take(q), split.take(weights), keys, visible, topk, scale)
@@ -65,7 +66,7 @@ def indexer_topk(
         if end // ratio == 0:
             continue
         entries = torch.arange(end // ratio, device=q.device)
-        keys = flat[entry_slots(attn.block_tables[i], entries, ratio, block_size, rows)]
+        keys = flat[entry_slots(entry_tables(attn)[i], entries, ratio, block_size, rows)]
         positions = torch.arange(end - (hi - lo), end, device=q.device)
         visible = entries[None, :] < ((positions + 1) // ratio)[:, None]
         _choose(out[lo:hi], q[lo:hi], weights[lo:hi], keys, visible, topk, scale)

@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from tinyengine.kernels.compressor.reference import entry_slots, split_rows, token_slots
+from tinyengine.kernels.compressor.reference import (
+    entry_slots,
+    entry_tables,
+    split_rows,
+    token_slots,
+)
 
 
 def sparse_attention(
@@ -65,7 +70,8 @@ def sparse_attention(
                 picks = torch.arange(attn.max_seq_len // ratio, device=q.device)
                 picks = picks.expand(split.num_decode, -1)
                 seen = picks < ((pos + 1) // ratio)[:, None]
-            entry_keys = flat_entries[entry_slots(tables, picks, ratio, block_size, rows)]
+            slots = entry_slots(split.entry_tables, picks, ratio, block_size, rows)
+            entry_keys = flat_entries[slots]
             keys, allowed = torch.cat([keys, entry_keys], 1), torch.cat([allowed, seen], 1)
         attended = _attend(split.take(q), [(keys, allowed)], sinks, scale)
         if split.rows is None:
@@ -79,7 +85,8 @@ def sparse_attention(
         entries = entry_keys = None
         if flat_entries is not None and end >= ratio:  # some window complete
             entries = torch.arange(end // ratio, device=q.device)
-            entry_keys = flat_entries[entry_slots(table, entries, ratio, block_size, rows)]
+            slots = entry_slots(entry_tables(attn)[i], entries, ratio, block_size, rows)
+            entry_keys = flat_entries[slots]
         # Query tiles: each reads the raw rows its window can reach, so the
         # work is q_len x (tile + window), not q_len squared.
         for t0 in range(lo, hi, _QUERY_TILE):
