@@ -90,7 +90,10 @@ class LLMEngine:
         self._jit_compiles_at_ready = jit_monitor.num_compiles()
         num_blocks = startup.report.num_kv_blocks
         self.scheduler = Scheduler(
-            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            BlockManager(
+                num_blocks, config.block_size, config.enable_prefix_caching,
+                runner.sliding_group(),
+            ),  # fmt: skip
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
@@ -373,6 +376,12 @@ class LLMEngine:
             "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,
+            # Per cache group (block_manager.py): "full" (the blocks above)
+            # and, for DeepSeek-V4, "sliding".
+            "cache_groups": {
+                name: {"free_blocks": free, "total_blocks": total}
+                for name, (free, total) in bm.group_usage().items()
+            },
             "num_steps": s.num_steps,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

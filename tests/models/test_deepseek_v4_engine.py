@@ -54,6 +54,10 @@ def _assert_idle(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
     assert stats["num_running"] == stats["num_waiting"] == 0
+    groups = stats["cache_groups"]
+    assert set(groups) == {"full", "sliding"}
+    for name, group in groups.items():
+        assert group["free_blocks"] == group["total_blocks"], f"{name} blocks leaked"
 
 
 CONFIGS = {
@@ -104,4 +108,31 @@ def test_decode_graphs_run_the_device_only_paths(model_and_reference):
     assert llm.startup_report().captured_sizes == [1, 2, 4]
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.backend.num_replays > 20
+    _assert_idle(llm)
+
+
+def test_the_sliding_group_holds_only_the_window(model_and_reference):
+    """Raw KV and compressor state are a sliding cache group: while one long
+    request runs, its sliding blocks stay within the kept span (window - 1 =
+    7 positions: at most 2 blocks of 4 between steps, a few more while a
+    chunk is written) as the full-history group grows with the context."""
+    path, tokens, logprobs = model_and_reference
+    llm = LLM(path, print_startup_report=False, max_model_len=160, block_size=4,
+              max_num_batched_tokens=32)  # fmt: skip
+    assert llm.engine.runner.keep == 7
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompt = PROMPTS[5]  # 61 tokens: two chunks, then decode
+    engine.add_request({"prompt_token_ids": prompt}, params, request_id="long")
+    sliding_used, full_used, out = [], [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        groups = engine.stats()["cache_groups"]
+        sliding_used.append(groups["sliding"]["total_blocks"] - groups["sliding"]["free_blocks"])
+        full_used.append(groups["full"]["total_blocks"] - groups["full"]["free_blocks"])
+    assert out.outputs[0].token_ids == tokens[5]
+    assert max(full_used[:-1]) == -(-(len(prompt) + MAX_NEW - 1) // 4)  # the whole history
+    assert max(sliding_used[2:-1]) <= 3  # decode: the kept span's blocks and the next
+    assert max(sliding_used) <= 3 + 32 // 4  # a chunk's blocks before it is released
     _assert_idle(llm)

@@ -6,6 +6,11 @@ a pure function of the token ids it *reads back from a shadow KV cache*. The
 shadow cache maps (block_id, offset) -> the token id written there, so every
 step checks that what the scheduler claims is computed (a prefix hit, an earlier
 chunk, a resumed request's recompute) really sits in that request's blocks.
+With `sliding_keep` the block manager also has a sliding cache group (as
+for DeepSeek-V4), sized as the engine sizes it (SlidingGroup.blocks_needed):
+the fake model then reads the last `sliding_keep` positions of its context
+from a second shadow cache, through the request's sliding blocks, and the rest
+from the full-history blocks.
 Pure Python: no torch.
 """
 
@@ -17,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tinyengine.sampling_params import SamplingParams
-from tinyengine.scheduling.block_manager import BlockManager
+from tinyengine.scheduling.block_manager import NULL_BLOCK, BlockManager, SlidingGroup
 from tinyengine.scheduling.request import Request, RequestStatus
 from tinyengine.scheduling.scheduler import Scheduler, SchedulerOutput
 
@@ -83,7 +88,9 @@ class Sim:
     max_num_batched_tokens: int
     enable_prefix_caching: bool = True
     vocab: int = VOCAB
+    sliding_keep: int | None = None
     shadow: dict[tuple[int, int], int] = field(default_factory=dict)
+    window_shadow: dict[tuple[int, int], int] = field(default_factory=dict)
     finished: dict[str, Request] = field(default_factory=dict)
     history: list[SchedulerOutput] = field(default_factory=list)
     # Per step, the sampled token per scheduled row (None: a prefill chunk that
@@ -92,7 +99,15 @@ class Sim:
     sampled_history: list[list[int | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        sliding = None
+        if self.sliding_keep is not None:
+            needed = SlidingGroup.blocks_needed(
+                self.sliding_keep, self.block_size, self.max_num_seqs, self.max_num_batched_tokens
+            )
+            sliding = SlidingGroup(needed, self.sliding_keep)
+        self.bm = BlockManager(
+            self.num_blocks, self.block_size, self.enable_prefix_caching, sliding
+        )
         self.sched = Scheduler(self.bm, self.max_num_seqs, self.max_num_batched_tokens)
 
     # --- checks ---
@@ -109,6 +124,7 @@ class Sim:
         assert all(r.status == RequestStatus.RUNNING for r in sched.running)
         assert all(r.status == RequestStatus.WAITING for r in sched.waiting)
         assert all(not r.block_ids for r in sched.waiting), "a waiting request holds blocks"
+        assert all(not r.window_block_ids for r in sched.waiting)
         assert all(r.num_computed_tokens == 0 for r in sched.waiting)
         ids = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
         assert sorted(ids) == sorted(sched.requests), "running + waiting != requests"
@@ -133,6 +149,8 @@ class Sim:
                 assert len(positions) == 1, f"block {b} shared at positions {positions}"
         if not sched.has_unfinished_requests():
             assert bm.num_free_blocks == bm.num_blocks, "idle with blocks in use (leak)"
+            for free, total in bm.group_usage().values():
+                assert free == total, "idle with blocks in use (leak)"
 
     def check_plan(self, out: SchedulerOutput) -> None:
         bm = self.bm
@@ -177,12 +195,32 @@ class Sim:
                 assert block.ref_count == 1, f"{r.request_id} writes into shared {block}"
                 assert block.block_hash is None, f"{r.request_id} overwrites cached {block}"
                 self.shadow[(block.block_id, p % bs)] = r.all_token_ids[p]
+            if self.sliding_keep is not None:
+                self._window_forward(s)
             if s.samples:
                 context = [self.shadow[(table[p // bs], p % bs)] for p in range(r.num_tokens)]
+                if self.sliding_keep is not None:  # the tail comes from the sliding group
+                    window = r.window_block_ids
+                    for p in range(max(0, r.num_tokens - self.sliding_keep - 1), r.num_tokens):
+                        context[p] = self.window_shadow[(window[p // bs], p % bs)]
                 sampled.append(next_token(context, self.vocab))
             else:
                 sampled.append(None)
         return sampled
+
+    def _window_forward(self, s) -> None:
+        """The sliding group's side of a chunk: the kept span before it is in
+        the request's (live) sliding blocks, and its tokens are written to
+        private ones."""
+        bs, r, window = self.block_size, s.request, s.request.window_block_ids
+        for p in range(max(0, s.start - self.sliding_keep), s.start):
+            slot = (window[p // bs], p % bs)
+            assert window[p // bs] != NULL_BLOCK, f"{r.request_id}: kept position {p} released"
+            assert self.window_shadow.get(slot) == r.all_token_ids[p], (r.request_id, p)
+        for p in range(s.start, s.start + s.num_new_tokens):
+            block = self.bm.window_pool.blocks[window[p // bs]]
+            assert block.ref_count == 1 and block.block_hash is None, f"writes into {block}"
+            self.window_shadow[(block.block_id, p % bs)] = r.all_token_ids[p]
 
     # --- driving ---
 

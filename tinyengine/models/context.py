@@ -81,27 +81,38 @@ class PagedTensor:
     width: int
     tokens_per_row: int = 1
     dtype: torch.dtype | None = None  # None: the model's dtype
-    spare_rows: int = 0  # rows per block nobody reads (a scratch target for writes)
 
     def rows_per_block(self, block_size: int) -> int:
-        return -(-block_size // self.tokens_per_row) + self.spare_rows
+        return -(-block_size // self.tokens_per_row)
 
 
 @dataclass(frozen=True)
 class HybridCacheSpec:
     """A cache whose layers hold different things (DeepSeek-V4: raw KV in
     every layer; compressor state, compressed entries and indexer keys in
-    some). All are paged with the engine's one block table; the layer's
-    cache in ForwardContext.kv_caches is a dict name -> tensor
-    [num_blocks, rows_per_block, width]."""
+    some); the layer's cache in ForwardContext.kv_caches is a dict name ->
+    tensor [num_blocks, rows_per_block, width].
+
+    With `keep` set, the cache has two groups (scheduling/block_manager.py):
+    the per-token tensors (tokens_per_row 1) form a sliding group whose
+    blocks a request holds only while they reach its last `keep` positions,
+    paged with AttentionMetadata.block_tables; the compressed ones the
+    full-history group, paged with entry_block_tables. Without, one group."""
 
     layers: tuple[tuple[PagedTensor, ...], ...]
+    keep: int | None = None
 
-    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+    def is_sliding(self, tensor: PagedTensor) -> bool:
+        return self.keep is not None and tensor.tokens_per_row == 1
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype, sliding: bool = False) -> int:
+        """One block of the full-history group (sliding=False) or of the
+        sliding one, every layer."""
         return sum(
             t.rows_per_block(block_size) * t.width * (t.dtype or dtype).itemsize
             for layer in self.layers
             for t in layer
+            if self.is_sliding(t) == sliding
         )
 
 

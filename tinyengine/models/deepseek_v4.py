@@ -345,8 +345,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         return checkpoint_to_param(ckpt_name)
 
     def kv_cache_spec(self) -> HybridCacheSpec:
+        """Two cache groups: the per-token rows (raw KV, compressor state)
+        slide, the compressed entries and index keys keep the whole history."""
+        attns = [layer.self_attn for layer in self.model.layers]
         return HybridCacheSpec(
-            tuple(layer.self_attn.cache_tensors() for layer in self.model.layers)
+            tuple(a.cache_tensors() for a in attns), keep=max(a.tokens_kept() for a in attns)
         )
 
     def decode_cache_read_bytes(self, context: float, itemsize: int) -> float:

@@ -122,9 +122,7 @@ class V4Compressor(nn.Module):
         width = 2 * self.dim if self.overlap else self.dim
         return (
             PagedTensor(f"{prefix}state", 2 * width, dtype=torch.float32),
-            # The spare row: a decode step whose token completes no window
-            # writes its (unused) entry there (compressor/reference.py).
-            PagedTensor(f"{prefix}entries", self.dim, tokens_per_row=self.ratio, spare_rows=1),
+            PagedTensor(f"{prefix}entries", self.dim, tokens_per_row=self.ratio),
         )
 
     def update(self, x: torch.Tensor, cache: dict, prefix: str, ctx: ForwardContext,
@@ -191,6 +189,16 @@ class V4Attention(nn.Module):
             )
             if layer_type == CSA:
                 self.compressor.indexer = V4Indexer(d, ratio)
+
+    def tokens_kept(self) -> int:
+        """How far back before the next token to compute this layer's
+        per-token rows are read: the window's raw rows (window - 1 earlier
+        positions), and the compressor state of the windows the next chunk
+        completes (2m - 1 with overlap, m - 1 without)."""
+        kept = self.d.sliding_window - 1
+        if self.compressor is not None:
+            kept = max(kept, (2 if self.compressor.overlap else 1) * self.ratio - 1)
+        return kept
 
     def cache_tensors(self) -> tuple[PagedTensor, ...]:
         tensors = (PagedTensor("kv", self.d.head_dim),)

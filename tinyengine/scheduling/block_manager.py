@@ -1,42 +1,49 @@
-"""BlockManager: the paged KV cache's bookkeeping — which physical block holds
-which request's tokens, and which full blocks can be shared as a prefix cache.
+"""BlockManager: the paged cache's bookkeeping — which physical blocks hold
+which request's tokens, in each cache group, and which full blocks can be
+shared as a prefix cache.
 
-Owns: the free queue, reference counts, and the prefix-cache index (content
-hash -> block). Pure Python; it never touches the KV tensors themselves.
+Owns the rule of each cache group (which of a request's logical blocks it
+holds, and when they go back) and the prefix-cache lookups across groups;
+the counting of each group's blocks is a BlockPool's (block_pool.py). Pure
+Python; it never touches the cache tensors themselves.
+
+Cache groups. Logical block j of a request covers its positions [j *
+block_size, (j + 1) * block_size) in every group; each group has its own
+pool of physical blocks:
+  - the full-history group (`Request.block_ids`): every logical block, from
+    admission to the end — the K/V of ordinary attention, or DeepSeek-V4's
+    compressed entries;
+  - an optional sliding group (`Request.window_block_ids`, DeepSeek-V4's raw
+    KV rows and compressor state): only the blocks that reach the last
+    `keep` positions before the next one to compute. Older ones are released
+    as the request advances (their entry becomes NULL_BLOCK), so what a
+    sliding layer costs is bounded by its window, not by the context.
 
 Prefix caching. A *full* block's identity is a hash chain over content:
 hash(parent block's hash || this block's token ids), so equal hashes mean equal
 whole prefixes, not just equal blocks. The hash is a 128-bit BLAKE2b digest, so
 a collision (which would silently serve another prompt's K/V) is not a
-practical concern — the reason we do not use Python's 64-bit `hash`.
-Only blocks whose every token has been *computed* are indexed.
-
-Free queue. A block with ref_count 0 sits in the free queue, ordered for
-eviction: blocks without a cached hash come first (they are worth nothing), then
-cached blocks in least-recently-freed order. A cached free block is still
-findable by its hash; a prefix hit takes it back out of the queue ("touch").
-Allocating a new block evicts the queue's head and drops its hash.
+practical concern — the reason we do not use Python's 64-bit `hash`. Only
+blocks whose every token has been *computed* are indexed, in every group
+under the same hash. A prefix of k blocks is a hit when the full-history
+group has all k and the sliding group has those among them that reach the
+last `keep` positions of the prefix: exactly what the next chunk reads.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from dataclasses import dataclass
 
+from tinyengine.scheduling.block_pool import Block, BlockPool
 from tinyengine.scheduling.request import Request
 
+__all__ = ["NULL_BLOCK", "Block", "BlockManager", "SlidingGroup", "hash_block"]
 
-class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_count = 0
-        self.block_hash: bytes | None = None
-
-    def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
+# A released sliding-group entry of Request.window_block_ids (the runner
+# points it at a reserved block that holds finite numbers).
+NULL_BLOCK = -1
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
@@ -46,40 +53,94 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
+@dataclass(frozen=True)
+class SlidingGroup:
+    """A sliding cache group: `num_blocks` physical blocks, and a request
+    keeps the blocks that reach its last `keep` positions before the next
+    one it computes."""
+
+    num_blocks: int
+    keep: int
+
+    @staticmethod
+    def blocks_needed(keep: int, block_size: int, max_num_seqs: int, max_batched: int) -> int:
+        """Blocks that make the group never the one that runs out: a running
+        request holds the blocks of its kept span plus its chunks not yet
+        released — the step in flight and the one being scheduled — so each
+        row holds at most ceil(keep / block_size) + 3 beside its share of two
+        steps' token budgets."""
+        per_seq = -(-keep // block_size) + 3
+        return max_num_seqs * per_seq + 2 * -(-max_batched // block_size)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding: SlidingGroup | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.sliding = sliding
+        self.pool = BlockPool(num_blocks)
+        self.window_pool = None if sliding is None else BlockPool(sliding.num_blocks)
 
     # --- queries ---
 
     @property
+    def blocks(self) -> list[Block]:
+        """The full-history group's blocks."""
+        return self.pool.blocks
+
+    @property
+    def free_queue(self):
+        return self.pool.free_queue
+
+    @property
+    def cached(self) -> dict[bytes, int]:
+        return self.pool.cached
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        """Free blocks of the full-history group: the one that fills up (the
+        sliding group is sized never to, SlidingGroup.blocks_needed)."""
+        return self.pool.num_free
+
+    def group_usage(self) -> dict[str, tuple[int, int]]:
+        """Per cache group: (free blocks, total blocks)."""
+        usage = {"full": (self.pool.num_free, self.pool.num_blocks)}
+        if self.window_pool is not None:
+            usage["sliding"] = (self.window_pool.num_free, self.window_pool.num_blocks)
+        return usage
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def get_computed_blocks(self, request: Request) -> list[int]:
-        """The longest cached prefix of `request`, as block ids (not yet
-        referenced). Capped so at least the last token is computed: the model
-        must run on it to produce the next token's logits."""
+        """The longest cached prefix of `request`, as full-history block ids
+        (not yet referenced); allocate_slots finds its sliding blocks. Capped
+        so at least the last token is computed: the model must run on it to
+        produce the next token's logits."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
         hits: list[int] = []
         for block_hash in hashes[:max_blocks]:
-            block_id = self.cached.get(block_hash)
+            block_id = self.pool.cached.get(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.window_pool is not None:
+            k = len(hits)
+            while k and not all(hashes[j] in self.window_pool.cached for j in self._kept(k)):
+                k -= 1
+            del hits[k:]
         return hits
 
     # --- allocation ---
@@ -87,43 +148,70 @@ class BlockManager:
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
     ) -> bool:
-        """Make request.block_ids cover its computed tokens plus `num_new_tokens`.
+        """Make request.block_ids (and window_block_ids) cover its computed
+        tokens plus `num_new_tokens`.
 
         `computed_blocks` (only for a request not yet holding blocks) are prefix
         hits from get_computed_blocks: they are referenced, not allocated.
-        Returns False, changing nothing, when the free queue cannot supply the
-        blocks.
+        Returns False, allocating nothing, when a pool cannot supply the
+        blocks; the sliding blocks the request no longer needs are released
+        either way.
         """
         computed_blocks = computed_blocks or []
         assert not computed_blocks or not request.block_ids, "prefix hits only at admission"
         num_computed = max(request.num_computed_tokens, len(computed_blocks) * self.block_size)
+        if self.window_pool is not None and request.block_ids:
+            self._release_window(request, num_computed)
         total_needed = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = total_needed - len(request.block_ids) - len(computed_blocks)
         if num_new_blocks <= 0 and not computed_blocks:
             return True  # the common case, every running request every step: room left
-        # Hits that are currently free leave the free queue when touched.
-        num_touched_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if num_new_blocks + num_touched_free > self.num_free_blocks:
+        num_new_blocks = max(num_new_blocks, 0)
+        window_hits: list[int] = []
+        if computed_blocks and self.window_pool is not None:
+            hashes = request.block_hashes
+            window_hits = [
+                self.window_pool.cached[hashes[j]] for j in self._kept(len(computed_blocks))
+            ]
+        if num_new_blocks + self.pool.num_touched_free(computed_blocks) > self.pool.num_free:
             return False
+        if self.window_pool is not None:
+            window_need = num_new_blocks + self.window_pool.num_touched_free(window_hits)
+            if window_need > self.window_pool.num_free:
+                return False
         for block_id in computed_blocks:
-            self._touch(block_id)
+            self.pool.touch(block_id)
         request.block_ids.extend(computed_blocks)
-        for _ in range(max(num_new_blocks, 0)):
-            request.block_ids.append(self._pop_free())
+        request.block_ids.extend(self.pool.pop_free() for _ in range(num_new_blocks))
+        if self.window_pool is not None:
+            if computed_blocks:
+                skipped = len(computed_blocks) - len(window_hits)
+                request.window_block_ids = [NULL_BLOCK] * skipped + window_hits
+                request.num_released_blocks = skipped
+                for block_id in window_hits:
+                    self.window_pool.touch(block_id)
+            window = request.window_block_ids
+            window.extend(self.window_pool.pop_free() for _ in range(num_new_blocks))
         return True
+
+    def advance(self, request: Request) -> None:
+        """After a step ran the request: index its newly full blocks and
+        release the sliding blocks no later step reads."""
+        self.cache_full_blocks(request)
+        if self.window_pool is not None and request.block_ids:
+            self._release_window(request, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks. Tail blocks are released first so
         that, among equally old cached blocks, a prefix outlives its suffixes."""
         for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"double free of block {block_id}"
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)  # evict first
+            self.pool.release(block_id)
+        for block_id in reversed(request.window_block_ids):
+            if block_id != NULL_BLOCK:
+                self.window_pool.release(block_id)
         request.block_ids = []
+        request.window_block_ids = []
+        request.num_released_blocks = 0
         request.num_indexed_blocks = 0
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -136,23 +224,42 @@ class BlockManager:
         if num_full <= request.num_indexed_blocks:
             return  # most decode steps: no block filled (this runs for every row)
         hashes = self._block_hashes(request, num_full)
+        window = request.window_block_ids
         for j in range(request.num_indexed_blocks, num_full):
-            block = self.blocks[request.block_ids[j]]
-            if block.block_hash is not None:
-                continue
-            # Another block may already hold the same content (two requests
-            # prefilled the same prefix in one step); keep the first indexed.
-            if hashes[j] not in self.cached:
-                block.block_hash = hashes[j]
-                self.cached[hashes[j]] = block.block_id
+            self.pool.index(request.block_ids[j], hashes[j])
+            if self.window_pool is not None and window[j] != NULL_BLOCK:
+                self.window_pool.index(window[j], hashes[j])
         request.num_indexed_blocks = num_full
 
     def reset(self) -> None:
         """Forget everything (after warmup: no warmup block may ever serve a hit)."""
         assert all(b.ref_count == 0 for b in self.blocks), "reset with blocks in use"
-        self.__init__(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.__init__(self.num_blocks, self.block_size, self.enable_prefix_caching, self.sliding)
 
     # --- internals ---
+
+    def _kept(self, num_blocks: int) -> range:
+        """The logical blocks the sliding group holds after `num_blocks`
+        computed blocks: those reaching the last `keep` positions."""
+        return range(max(0, num_blocks * self.block_size - self.sliding.keep) // self.block_size,
+                     num_blocks)  # fmt: skip
+
+    def _release_window(self, request: Request, num_computed: int) -> None:
+        """Release the sliding blocks wholly before the last `keep` positions
+        of the first `num_computed` (indexed first, so they stay findable
+        while free). The list is replaced, not edited: the runner's host
+        block table notices a new list and rewrites the row."""
+        live_from = min(max(0, num_computed - self.sliding.keep) // self.block_size,
+                        len(request.window_block_ids))  # fmt: skip
+        if live_from <= request.num_released_blocks:
+            return
+        self.cache_full_blocks(request)
+        window = list(request.window_block_ids)
+        for j in range(request.num_released_blocks, live_from):
+            self.window_pool.release(window[j])
+            window[j] = NULL_BLOCK
+        request.window_block_ids = window
+        request.num_released_blocks = live_from
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         hashes = request.block_hashes
@@ -163,32 +270,23 @@ class BlockManager:
             hashes.append(hash_block(parent, request.all_token_ids[j * bs : (j + 1) * bs]))
         return hashes
 
-    def _touch(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_queue[block_id]
-        block.ref_count += 1
-
-    def _pop_free(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:  # evict: its content is about to be overwritten
-            del self.cached[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
-        return block_id
-
     def check_invariants(self, live_requests: list[Request]) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (for tests)."""
         refs = [0] * self.num_blocks
         for request in live_requests:
             for block_id in request.block_ids:
                 refs[block_id] += 1
-        for block in self.blocks:
-            assert block.ref_count == refs[block.block_id], (
-                f"{block} but {refs[block.block_id]} users"
-            )
-            assert (block.ref_count == 0) == (block.block_id in self.free_queue), block
-            if block.block_hash is not None:
-                assert self.cached[block.block_hash] == block.block_id, block
-        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
+        self.pool.check(refs)
+        if self.window_pool is None:
+            assert all(not r.window_block_ids for r in live_requests)
+            return
+        refs = [0] * self.window_pool.num_blocks
+        for request in live_requests:
+            window = request.window_block_ids
+            assert len(window) == len(request.block_ids), request
+            released = request.num_released_blocks
+            assert all(b == NULL_BLOCK for b in window[:released]), request
+            assert all(b != NULL_BLOCK for b in window[released:]), request
+            for block_id in window[released:]:
+                refs[block_id] += 1
+        self.window_pool.check(refs)

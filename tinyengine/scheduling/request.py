@@ -7,6 +7,7 @@ Invariants over a request's token positions (all_token_ids = prompt + output):
   [0, num_computed_tokens)           have their K/V written in the cache
   [num_computed_tokens, num_tokens)  exist but still need a forward pass
   block_ids[j] holds positions [j * block_size, (j + 1) * block_size)
+  (and window_block_ids[j] in a sliding cache group, see block_manager.py)
 A running request always has at least one uncomputed token: the prompt's tail
 before its first sample, then the last sampled token afterwards.
 
@@ -72,6 +73,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_inflight = 0  # tokens sampled by launched steps, not yet appended
         self.block_ids: list[int] = []
+        # The sliding cache group's blocks (block_manager.py), when the model
+        # has one: same logical blocks, the first num_released_blocks NULL.
+        self.window_block_ids: list[int] = []
+        self.num_released_blocks = 0
         # Content hashes of the full blocks of all_token_ids, extended lazily by
         # the block manager (a block's hash chains its parent's).
         self.block_hashes: list[bytes] = []

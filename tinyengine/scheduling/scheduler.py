@@ -309,5 +309,5 @@ class Scheduler:
                 request.append_output_token(token_id)
                 advanced.append(request)
             if request.status == RequestStatus.RUNNING:
-                self.block_manager.cache_full_blocks(request)
+                self.block_manager.advance(request)
         return advanced

@@ -147,6 +147,16 @@ class ServerMetrics:
         ]
         for name, help_text, value in gauges:
             out.metric(name, "gauge", help_text, [({}, value)])
+        groups = s.get("cache_groups", {})
+        for name, help_text, key in (
+            ("kv_group_blocks_used", "Blocks held by requests, per cache group.", None),
+            ("kv_group_blocks_total", "Blocks in the cache, per cache group.", "total_blocks"),
+        ):
+            samples = [
+                ({"group": group}, g[key] if key else g["total_blocks"] - g["free_blocks"])
+                for group, g in groups.items()
+            ]
+            out.metric(name, "gauge", help_text, samples)
         out.metric(
             "num_preemptions_total",
             "counter",

@@ -24,6 +24,9 @@ class InputBuffers:
     seq_lens: torch.Tensor  # int32 [max_num_seqs]
     block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks_per_seq]
     logits_indices: torch.Tensor  # int64 [max_num_seqs]
+    # The full-history group's table when the model has two cache groups
+    # (HybridCacheSpec.keep); block_tables is then the sliding group's.
+    entry_block_tables: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device) -> InputBuffers:

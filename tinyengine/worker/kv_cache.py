@@ -1,9 +1,10 @@
 """KV cache tensors and their sizing.
 
 Owns the allocation of the paged K/V tensors (one pair per attention layer,
-carved from a single allocation) and the arithmetic of how many blocks fit a
-memory budget. Knows nothing of requests: which block holds what is the
-block manager's business.
+carved from a single allocation, or a hybrid cache's named tensors in their
+cache groups) and the arithmetic of how many blocks fit a memory budget.
+Knows nothing of requests: which block holds what is the block manager's
+business.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from tinyengine.models.context import HybridCacheSpec, KVCacheSpec
+from tinyengine.scheduling.block_manager import SlidingGroup
 
 
 def bytes_per_block(
@@ -24,16 +26,48 @@ def bytes_per_block(
     return block_size * spec.elements_per_token() * dtype.itemsize
 
 
+def sliding_keep(spec: KVCacheSpec | HybridCacheSpec) -> int | None:
+    """The sliding group's kept span in tokens, None when the cache has
+    one group."""
+    return spec.keep if isinstance(spec, HybridCacheSpec) else None
+
+
+def sliding_blocks_wanted(keep: int | None, block_size: int, config: Any) -> int:
+    """The sliding group's size: twice what the running requests can hold
+    at once (SlidingGroup.blocks_needed), so the blocks they release stay
+    findable by prefix hits for a while; 0 without a sliding group."""
+    if keep is None:
+        return 0
+    needed = SlidingGroup.blocks_needed(
+        keep, block_size, config.max_num_seqs, config.max_num_batched_tokens
+    )
+    return 2 * needed
+
+
+def sliding_bytes(
+    spec: KVCacheSpec | HybridCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> int:
+    """What the sliding group's `num_blocks` blocks and its reserved one take."""
+    if sliding_keep(spec) is None:
+        return 0
+    return (num_blocks + 1) * spec.bytes_per_block(block_size, dtype, sliding=True)
+
+
 def allocate_cache(
     spec: KVCacheSpec | HybridCacheSpec,
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    num_sliding_blocks: int = 0,
 ) -> list[Any]:
-    """Per layer, what the model's forward reads in ctx.kv_caches."""
+    """Per layer, what the model's forward reads in ctx.kv_caches:
+    `num_blocks` blocks of the full-history group, `num_sliding_blocks` of
+    the sliding one (when the spec has it)."""
     if isinstance(spec, HybridCacheSpec):
-        return allocate_hybrid_cache(spec, num_blocks, block_size, dtype, device)
+        return allocate_hybrid_cache(
+            spec, num_blocks, block_size, dtype, device, num_sliding_blocks
+        )
     return allocate_kv_cache(spec, num_blocks, block_size, dtype, device)
 
 
@@ -43,12 +77,13 @@ def allocate_hybrid_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    num_sliding_blocks: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Zeroed, per layer {name: [num_blocks, rows_per_block, width]}."""
+    """Zeroed, per layer {name: [blocks of its group, rows_per_block, width]}."""
     return [
         {
             t.name: torch.zeros(
-                num_blocks,
+                num_sliding_blocks if spec.is_sliding(t) else num_blocks,
                 t.rows_per_block(block_size),
                 t.width,
                 dtype=t.dtype or dtype,

@@ -26,6 +26,7 @@ from tinyengine.kernels.workspace import Workspace
 from tinyengine.models.context import AttentionMetadata, ForwardContext
 from tinyengine.models.loader import load_model
 from tinyengine.models.rotary import RopeCache
+from tinyengine.scheduling.block_manager import SlidingGroup
 from tinyengine.scheduling.scheduler import SchedulerOutput
 from tinyengine.worker.block_table import HostBlockTable
 from tinyengine.worker.cuda_graphs import (
@@ -35,7 +36,7 @@ from tinyengine.worker.cuda_graphs import (
     default_capture_sizes,
 )
 from tinyengine.worker.input_buffers import InputBuffers, write
-from tinyengine.worker.kv_cache import allocate_cache, bytes_per_block, zero_cache
+from tinyengine.worker.kv_cache import allocate_cache, bytes_per_block, sliding_keep, zero_cache
 from tinyengine.worker.prompt_logprobs import prompt_logprobs
 from tinyengine.worker.request_sampling import RequestSamplingState
 from tinyengine.worker.sample_output import StepLaunch
@@ -73,7 +74,11 @@ class ModelRunner:
         self.block_table = HostBlockTable(self.max_blocks_per_seq)
         self.kv_caches: list[Any] = []  # per layer, as ctx.kv_caches
         self.num_kv_blocks = 0
-        self.dummy_block = 0  # a reserved block that padding rows write to
+        self.num_sliding_blocks = 0  # the sliding cache group's, if the model has one
+        self.keep: int | None = None  # that group's kept span (HybridCacheSpec.keep)
+        # Reserved blocks that padding rows write to: the per-token group's
+        # (the sliding one's, if any) and the full-history group's.
+        self.dummy_block = self.entry_dummy_block = 0
         self.capture_sizes = sorted(
             set(config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs))
         )
@@ -97,20 +102,35 @@ class ModelRunner:
         for module in self.model.modules():  # max_model_len may pass the model's positions
             if isinstance(module, RopeCache):
                 module.cover_positions(self.max_model_len)
+        self.keep = sliding_keep(self.model.kv_cache_spec())
+        if self.keep is not None:
+            self.block_table = HostBlockTable(self.max_blocks_per_seq, sliding=True)
+            self.buffers.entry_block_tables = torch.zeros_like(self.buffers.block_tables)
 
     def kv_bytes_per_block(self) -> int:
+        """One block of the full-history group (the one whose count varies)."""
         return bytes_per_block(self.model.kv_cache_spec(), self.block_size, self.dtype)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """`num_blocks` usable blocks plus one reserved dummy block (the last)
+    def sliding_group(self) -> SlidingGroup | None:
+        """The block manager's description of the sliding group, if any."""
+        if self.keep is None:
+            return None
+        return SlidingGroup(self.num_sliding_blocks, self.keep)
+
+    def allocate_kv_cache(self, num_blocks: int, num_sliding_blocks: int = 0) -> None:
+        """`num_blocks` usable blocks (and `num_sliding_blocks` of a sliding
+        group), each group with one more reserved dummy block (its last)
         that padding rows and profile batches write into."""
         self.kv_caches = []  # release the old cache before allocating the new one
         self._decode_ctxs.clear()
         self.kv_caches = allocate_cache(
-            self.model.kv_cache_spec(), num_blocks + 1, self.block_size, self.dtype, self.device
-        )
-        self.num_kv_blocks = num_blocks
-        self.dummy_block = num_blocks
+            self.model.kv_cache_spec(), num_blocks + 1, self.block_size, self.dtype,
+            self.device, num_sliding_blocks + 1,
+        )  # fmt: skip
+        self.num_kv_blocks, self.num_sliding_blocks = num_blocks, num_sliding_blocks
+        self.entry_dummy_block = num_blocks
+        self.dummy_block = num_sliding_blocks if self.keep is not None else num_blocks
+        self.block_table.null_block = self.dummy_block
 
     def zero_kv_cache(self) -> None:
         zero_cache(self.kv_caches)
@@ -154,7 +174,7 @@ class ModelRunner:
                 known = [*known, 0]
             input_ids.extend(known)
             positions.extend(range(start, end))
-            block_ids = request.block_ids
+            block_ids = self.block_table.token_block_ids(request)
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
         return input_ids, positions, slots, seq_lens, table_rows
@@ -171,32 +191,42 @@ class ModelRunner:
         ids = self.buffers.input_ids
         ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(ids.dtype))
 
-    def _write_tables(self, table: np.ndarray) -> None:
-        """Only the columns some row uses: kernels read a row's entries below
-        its seq_len alone, so stale columns further right are never looked at
-        (and a full-width table is megabytes per step at long max_model_len)."""
-        num_rows, width = table.shape
-        self.buffers.block_tables[:num_rows, :width].copy_(
-            torch.from_numpy(table), non_blocking=True
-        )
+    def _write_tables(self, table_rows: np.ndarray, width: int, pad_to: int = 0) -> None:
+        """The scheduled rows' block tables (padded with rows that read only
+        the dummy blocks), and only the columns some row uses: kernels read a
+        row's entries below its seq_len alone, so stale columns further right
+        are never looked at (and a full-width table is megabytes per step at
+        long max_model_len)."""
+        tables = [
+            (
+                self.buffers.block_tables,
+                self.block_table.gather(table_rows, width, pad_to, self.dummy_block),
+            )
+        ]
+        if self.keep is not None:
+            tables.append((self.buffers.entry_block_tables, self.block_table.gather_entries(
+                table_rows, width, pad_to, self.entry_dummy_block)))  # fmt: skip
+        for buffer, table in tables:
+            num_rows = table.shape[0]
+            buffer[:num_rows, :width].copy_(torch.from_numpy(table), non_blocking=True)
 
     def prepare_inputs(self, plan: SchedulerOutput) -> ForwardContext:
         """Write an eager step's inputs into the persistent buffers."""
-        input_ids, positions, slots, seq_lens, (table_rows, width) = self._rows(plan)
+        input_ids, positions, slots, seq_lens, table = self._rows(plan)
         q_lens = [s.num_new_tokens for s in plan.scheduled]
         query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
-        table = self.block_table.gather(table_rows, width, 0, self.dummy_block)
         seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
         return self._write_eager(input_ids, positions, slots, query_start_loc, seq_lens, table)
 
     def _write_eager(self, input_ids, positions, slots, query_start_loc, seq_lens, table):
+        """`table`: (rows, width) as _write_tables takes them."""
         b = self.buffers
         write(b.input_ids, input_ids)
         write(b.positions, positions)
         write(b.slot_mapping, slots)
         write(b.query_start_loc, query_start_loc)
         write(b.seq_lens, seq_lens)
-        self._write_tables(table)
+        self._write_tables(*table)
         num_tokens, num_seqs = len(input_ids), len(seq_lens)
         attn = AttentionMetadata(
             num_tokens=num_tokens,
@@ -209,8 +239,13 @@ class ModelRunner:
             slot_mapping=b.slot_mapping[:num_tokens],
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
+            entry_block_tables=self._entry_tables(num_seqs),
         )
         return self._context(attn)
+
+    def _entry_tables(self, num_seqs: int) -> torch.Tensor | None:
+        tables = self.buffers.entry_block_tables
+        return None if tables is None else tables[:num_seqs]
 
     def _context(self, attn: AttentionMetadata) -> ForwardContext:
         return ForwardContext(attn, self.kv_caches, self.ops, self.workspace)
@@ -231,8 +266,8 @@ class ModelRunner:
             [self.dummy_block * self.block_size] * num_tokens,
             starts,
             seq_lens,
-            # Every position of every row reads the dummy block.
-            np.full((len(seq_lens), width), self.dummy_block, dtype=np.int32),
+            # Padding rows only: every position of every row reads a dummy block.
+            (np.empty(0, dtype=np.int64), width, len(seq_lens)),
         )
         b = self.buffers
         return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
@@ -255,6 +290,7 @@ class ModelRunner:
                 slot_mapping=b.slot_mapping[:size],
                 query_start_loc_cpu=None,
                 seq_lens_cpu=None,
+                entry_block_tables=self._entry_tables(size),
             )
             ctx = self._decode_ctxs[size] = self._context(attn)
         return ctx
@@ -270,7 +306,7 @@ class ModelRunner:
         write(b.slot_mapping, slots, pad_to=size, pad=self.dummy_block * self.block_size)
         write(b.query_start_loc, range(size + 1))
         write(b.seq_lens, seq_lens, pad_to=size, pad=1)
-        self._write_tables(self.block_table.gather(table_rows, width, size, self.dummy_block))
+        self._write_tables(table_rows, width, size)
 
     def decode_step(self, size: int) -> Callable[[], torch.Tensor]:
         """The callable a decode graph captures: the model over `size` rows."""

@@ -32,6 +32,7 @@ from tinyengine.config import EngineConfig
 from tinyengine.kernels import jit_monitor
 from tinyengine.models.loader import load_hf_config
 from tinyengine.sampling_params import SamplingParams
+from tinyengine.worker.kv_cache import sliding_blocks_wanted, sliding_bytes
 from tinyengine.worker.runner import ModelRunner
 from tinyengine.worker.warmup import light_startup, run_warmup
 
@@ -124,8 +125,13 @@ class StartupStages:
     def size_kv(self, profile: ProfileResult) -> int:
         """Allocate the KV cache: `num_kv_blocks` from the config, else what
         the budget holds after the profiled peak. Returns the usable blocks."""
-        num_blocks = self.runner.config.num_kv_blocks or self._blocks_for_budget(profile)
-        self.runner.allocate_kv_cache(num_blocks)
+        runner = self.runner
+        num_sliding = sliding_blocks_wanted(runner.keep, runner.block_size, runner.config)
+        spec = runner.model.kv_cache_spec()
+        num_blocks = runner.config.num_kv_blocks or self._blocks_for_budget(
+            profile, sliding_bytes(spec, num_sliding, runner.block_size, runner.dtype)
+        )
+        runner.allocate_kv_cache(num_blocks, num_sliding)
         return num_blocks
 
     def warmup(self, num_kv_blocks: int) -> None:
@@ -160,10 +166,11 @@ class StartupStages:
 
     # --- KV budget ---
 
-    def _blocks_for_budget(self, profile: ProfileResult) -> int:
+    def _blocks_for_budget(self, profile: ProfileResult, sliding_bytes: int) -> int:
         """KV blocks = (budget - what is already held - profiled peak - graph
-        pool) / bytes per block; an error when one max_model_len sequence does
-        not fit."""
+        pool - the sliding cache group, whose size is fixed) / bytes per
+        block of the full-history group; an error when one max_model_len
+        sequence does not fit."""
         runner = self.runner
         cfg, device = runner.config, runner.device
         per_block = runner.kv_bytes_per_block()
@@ -183,7 +190,7 @@ class StartupStages:
         else:
             budget = int(cfg.cpu_kv_cache_gib * 2**30)
             where = f"cpu_kv_cache_gib={cfg.cpu_kv_cache_gib}"
-        num_blocks = max(budget // per_block, 0)
+        num_blocks = max((budget - sliding_bytes) // per_block, 0)
         # No point holding more than every sequence at full length can use.
         num_blocks = min(num_blocks, cfg.max_num_seqs * runner.max_blocks_per_seq)
         if num_blocks < runner.max_blocks_per_seq:

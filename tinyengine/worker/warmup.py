@@ -50,7 +50,9 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
     cfg = runner.config
     light = light_startup(runner)
     max_seqs = min(LIGHT_SEQS, cfg.max_num_seqs) if light else cfg.max_num_seqs
-    block_manager = BlockManager(num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    block_manager = BlockManager(
+        num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching, runner.sliding_group()
+    )
     scheduler = Scheduler(block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     # As many sequences as a step allows (light: two), each with an equal
     # share of the token budget (light: at most two blocks), then a few decode

@@ -9,16 +9,16 @@ prefix cache needs), whatever the chunking:
                  (fp32), C = D for HCA, 2 * D for CSA and the indexer, whose
                  windows overlap (halves Ca | Cb, see below)
     entry_cache  [num_blocks, rows, D]  one compressed entry per window of `ratio`
-                 tokens; rows = ceil(block_size / ratio) + 1. Entry w (tokens
+                 tokens; rows = ceil(block_size / ratio). Entry w (tokens
                  [w * ratio, (w + 1) * ratio)) sits in the block of its LAST
                  token, row (last % block_size) // ratio: it is written in the
                  step that computes that token, which is when that block is
                  still private to the request (a block is shared through the
-                 prefix cache only once full and computed). The last row of
-                 each block is spare: a decode step under a CUDA graph computes
-                 an entry for every row and writes those that complete no
-                 window there (in the block of the row's own token), since a
-                 graph cannot choose on the host which rows to write.
+                 prefix cache only once full and computed). A decode step
+                 under a CUDA graph computes an entry for every row, since a
+                 graph cannot choose on the host which rows to write; those
+                 that complete no window go to the cache's last block, the
+                 engine's reserved dummy block, which only padding rows read.
 
 Entry w = kv_norm( sum_j softmax_j(gate_j + position_bias_j) * kv_j ), rotated
 at position w * ratio. Without overlap (HCA, ratio 128) j runs over the
@@ -163,15 +163,14 @@ def compress_windows(
     if split.num_decode:
         # One token per row: row b completes window w = (p + 1) / ratio - 1
         # when (p + 1) % ratio == 0; every row computes one, the others go to
-        # the spare row of their token's block.
+        # the reserved dummy block (the cache's last).
         tables, at = split.tables, split.entry_tables
         pos = split.seq_lens.long() - 1
         done = (pos + 1) % ratio == 0
         windows = ((pos + 1) // ratio - 1).clamp(min=0)
-        own_block = at.gather(1, (pos // block_size)[:, None])[:, 0].long()
-        spare = own_block * pool.rows + pool.rows - 1
+        scratch = (entry_cache.shape[0] - 1) * pool.rows
         rows = torch.where(done, entry_slots(at, windows[:, None], ratio, block_size,
-                                             pool.rows)[:, 0], spare)  # fmt: skip
+                                             pool.rows)[:, 0], scratch)  # fmt: skip
         pool.write(rows, pool.entries(tables, windows))
     starts = attn.query_start_loc_cpu
     for i in split.longer:
