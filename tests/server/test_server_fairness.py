@@ -145,3 +145,8 @@ def test_small_request_gets_its_first_token_while_a_4000_sequence_request_runs(r
         assert texts == {alone[p]["text"]}, (p, texts)
     _, small_alone = first_token_seconds(url, small_body)
     assert small_text == small_alone
+    # The default model (DeepSeek-V4) has two cache groups; both are idle again.
+    m = get_metrics(url)
+    for group in ("full", "sliding"):
+        assert m[f'tinyengine_kv_group_blocks_total{{group="{group}"}}'] > 0
+        assert m[f'tinyengine_kv_group_blocks_used{{group="{group}"}}'] == 0

@@ -176,8 +176,10 @@ def inventory_from_model(model: Any, hf_config: dict[str, Any] | None = None) ->
 
 
 def kv_bytes_per_token(runner: Any) -> int:
-    """Cache bytes per token over all layers, from the runner's model spec
-    (over a block long enough that compressed entries count at their rate)."""
+    """Cache bytes per resident token over all layers, from the runner's
+    model spec (over a block long enough that compressed entries count at
+    their rate); with two cache groups the full-history group's, since the
+    sliding group's size does not grow with the context."""
     from tinyengine.worker.kv_cache import bytes_per_block
 
     tokens = 1024

@@ -5,7 +5,8 @@ machine to READY: load, profile, size KV, warmup, capture, lock) and prints
 the machine's own report (`StartupReport.table()`: seconds, memory and
 workspace per stage, KV blocks, captured graph sizes), then the wall time of
 the whole `LLM(...)` call (the stages plus config, tokenizer and runner
-setup) and the KV cache size. `--json` writes `StartupReport.as_dict()` plus
+setup), the KV cache size and its capacity: resident context tokens and the
+bytes each costs. `--json` writes `StartupReport.as_dict()` plus
 those totals.
 
 `--compare hf` first times HF transformers from nothing to a model on the
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 from tinyengine.bench import common
+from tinyengine.worker.kv_cache import sliding_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,12 +57,21 @@ def _run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     report = llm.startup_report()
     runner = llm.engine.runner
+    spec = runner.model.kv_cache_spec()
+    sliding = sliding_bytes(spec, runner.num_sliding_blocks, runner.block_size, runner.dtype)
     result.update(
         device=runner.device.type,
         dtype=str(runner.dtype).replace("torch.", ""),
         wall_s=wall,
         stages_s=sum(s.seconds for s in report.stages),
-        kv_cache_bytes=report.num_kv_blocks * runner.kv_bytes_per_block(),
+        kv_cache_bytes=report.num_kv_blocks * runner.kv_bytes_per_block() + sliding,
+        # Capacity: the tokens of context the cache can keep resident, and
+        # what each costs (the full-history group's bytes; a sliding group,
+        # DeepSeek-V4's, is a fixed size on top, per running request).
+        resident_tokens=report.num_kv_blocks * runner.block_size,
+        bytes_per_resident_token=runner.kv_bytes_per_block() / runner.block_size,
+        sliding_blocks=runner.num_sliding_blocks,
+        sliding_bytes=sliding,
         report=report.as_dict(),
     )
     if "hf" in result:
@@ -77,8 +88,15 @@ def _run(args: argparse.Namespace) -> int:
         ("LLM(...) wall time (s):", wall),
         ("KV blocks:", report.num_kv_blocks),
         ("KV cache (GiB):", result["kv_cache_bytes"] / 2**30),
+        ("Resident context tokens:", result["resident_tokens"]),
+        ("KV bytes per resident token:", result["bytes_per_resident_token"]),
         ("Graphs captured:", len(report.captured_sizes)),
     ]
+    if sliding:
+        rows += [
+            ("Sliding-group blocks:", runner.num_sliding_blocks),
+            ("Sliding group (GiB):", sliding / 2**30),
+        ]
     if "hf" in result:
         rows += [
             ("HF from_pretrained + first generate (s):", result["hf"]["load_s"]),
