@@ -90,11 +90,12 @@ def torch_ops() -> OpSet:
 
 def triton_ops(device_type: str) -> OpSet:
     """The Triton kernels. On a CPU they run under the interpreter, which is
-    there to test the attention, MLA, MoE and prologue kernels; the norm,
+    there to test the attention, MLA, MoE, prologue and DeepSeek-V4 kernels; the norm,
     activation, GEMV and sampler kernels pay off only on a GPU, so off it the
     set keeps their references (the tokens of a CPU run stay the torch path's)."""
     enable_triton_interpreter_if_needed(device_type)
     import tinyengine.kernels.attention.triton as attention
+    import tinyengine.kernels.indexer.triton as indexer
     import tinyengine.kernels.mla.triton as mla
     import tinyengine.kernels.moe.triton as moe
     import tinyengine.kernels.rope.triton as rope
@@ -107,11 +108,12 @@ def triton_ops(device_type: str) -> OpSet:
         rope_write_kv=rope.rope_write_kv_triton,
         mla_decode=mla.mla_decode,
         fused_moe=moe.fused_moe,
-        # DeepSeek-V4's ops have no Triton kernels yet: both sets run the
-        # references (eager only; V4 models capture no graphs).
+        # DeepSeek-V4: kernels for decode rows (prefill chunks go through the
+        # references inside them); the cache writes and the compressor are
+        # references in both sets.
         write_rows=ref.write_rows,
         compress_windows=ref.compress_windows,
-        indexer_topk=ref.indexer_topk,
+        indexer_topk=indexer.indexer_topk,
         sparse_attention=ref.sparse_attention,
     )
     if device_type != "cuda":

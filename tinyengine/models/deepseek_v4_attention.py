@@ -162,7 +162,7 @@ class V4Indexer(V4Compressor):
         weights = self.scorer.weights_proj(x) * self.num_heads**-0.5
         return ctx.ops.indexer_topk(
             q, weights, cache["index_entries"], ctx.attn, ratio=self.ratio, topk=self.topk,
-            scale=self.dim**-0.5, block_size=cache["kv"].shape[1],
+            scale=self.dim**-0.5, block_size=cache["kv"].shape[1], workspace=ctx.workspace,
         )  # fmt: skip
 
 
