@@ -21,6 +21,15 @@ P + O/2) over the read bandwidth measured in the same run on the same device
 (membw.py; `--bandwidth-gbps` overrides it), the roofline step time and the
 achieved fraction = roofline step time / measured mean step time.
 
+`--skip-prefill` measures decode at long contexts without paying for the
+prefill of B x P tokens first: every prompt position but the last is counted
+as computed without running it (the blocks are allocated through the block
+manager as a chunked prefill would, and the cache is filled with random
+numbers, so reads and top-k selections do real work on values like real
+ones); prefill is then not timed. Decode steps read exactly what they would
+after a real prefill, so their times and the roofline stand; the tokens are
+meaningless.
+
 `--batch-sizes 1,8,32` measures each batch size with one engine (which needs
 `--max-num-seqs` >= the largest); `--plot PATH.png` draws decode tokens/s
 against batch size with the roofline curve (plot.py; default batch sizes
@@ -43,9 +52,16 @@ from tinyengine.bench.routing import distinct_experts, record_routing
 PLOT_BATCH_SIZES = [1, 8, 32, 64, 128, 256]
 
 
-def decode_run(engine: Any, prompts: list[list[int]], output_len: int, temperature: float):
+def decode_run(
+    engine: Any,
+    prompts: list[list[int]],
+    output_len: int,
+    temperature: float,
+    skip_prefill: bool = False,
+):
     """One B x O run through engine.step(); returns (decode-only step seconds,
     total seconds). Fails if any request did not get exactly O tokens.
+    `skip_prefill`: see the module docstring (assume_prefilled).
 
     Requests ask for FINAL_ONLY outputs, as `LLM.generate` (and vLLM's latency
     benchmark) do: a step's time is the engine's work for B decode rows, not
@@ -61,6 +77,8 @@ def decode_run(engine: Any, prompts: list[list[int]], output_len: int, temperatu
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
     ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    if skip_prefill:
+        assume_prefilled(engine, ids)
     finished: set[str] = set()
     steps: list[float] = []
     begin = time.perf_counter()
@@ -87,6 +105,38 @@ def decode_run(engine: Any, prompts: list[list[int]], output_len: int, temperatu
     return steps, total
 
 
+def assume_prefilled(engine: Any, request_ids: list[str], chunk: int = 4096) -> None:
+    """Move waiting requests into the running batch with every prompt
+    position but the last counted as computed: their blocks are allocated
+    chunk by chunk through the block manager, as a chunked prefill would
+    (releasing sliding-group blocks on the way), and then the whole cache is
+    filled with random numbers. Bench only (--skip-prefill)."""
+    import torch
+
+    from tinyengine.scheduling.request import RequestStatus
+
+    scheduler = engine.scheduler
+    bm = scheduler.block_manager
+    for request_id in request_ids:
+        request = engine.states[request_id].request
+        scheduler.waiting.remove(request)
+        target = request.num_tokens - 1
+        while request.num_computed_tokens < target:
+            n = min(chunk, target - request.num_computed_tokens)
+            if not bm.allocate_slots(request, n):
+                raise BenchError("the KV cache cannot hold the batch; lower it or the context")
+            request.num_computed_tokens += n
+            bm.advance(request)
+        request.status = RequestStatus.RUNNING
+        scheduler.running.append(request)
+        scheduler.running_per_group[request.group] += 1
+    for layer in engine.runner.kv_caches:
+        for tensor in layer.values() if isinstance(layer, dict) else dict.fromkeys(layer):
+            tensor.normal_()
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def measure_engine(llm: Any, pool: TokenPool, rng: Any, batch: int, args) -> dict[str, Any]:
     """Prefill and decode figures at one batch size."""
     from tinyengine.sampling_params import SamplingParams
@@ -97,16 +147,19 @@ def measure_engine(llm: Any, pool: TokenPool, rng: Any, batch: int, args) -> dic
     steps: list[float] = []
     e2e: list[float] = []
     for i in range(args.num_iters_warmup + args.num_iters):
-        prompts = [{"prompt_token_ids": pool.sample(rng, args.input_len)} for _ in range(batch)]
-        common.sync(device)
-        start = time.perf_counter()
-        llm.generate(prompts, first, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        elapsed = float("nan")
+        if not args.skip_prefill:
+            prompts = [{"prompt_token_ids": pool.sample(rng, args.input_len)} for _ in range(batch)]
+            common.sync(device)
+            start = time.perf_counter()
+            llm.generate(prompts, first, use_tqdm=False)
+            elapsed = time.perf_counter() - start
         run_steps, total = decode_run(
             llm.engine,
             [pool.sample(rng, args.input_len) for _ in range(batch)],
             args.output_len,
             args.temperature,
+            args.skip_prefill,
         )
         if i >= args.num_iters_warmup:
             prefill.append(elapsed)
@@ -117,7 +170,7 @@ def measure_engine(llm: Any, pool: TokenPool, rng: Any, batch: int, args) -> dic
     step_s = common.mean(steps)
     return {
         "batch_size": batch,
-        "prefill_ms": common.mean(prefill) * 1000,
+        "prefill_ms": None if args.skip_prefill else common.mean(prefill) * 1000,
         "e2e_ms": common.mean(e2e) * 1000,
         "num_decode_steps": len(steps),
         "decode_step_ms": {
@@ -163,6 +216,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=common.positive_int, default=5)
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    parser.add_argument(
+        "--skip-prefill",
+        action="store_true",
+        help="decode at --input-len context without running the prefill (see above)",
+    )
     parser.add_argument(
         "--batch-sizes",
         type=common.parse_int_list,
@@ -255,7 +313,10 @@ def _run(args: argparse.Namespace) -> int:
     # (routing.py); the uniform expectation is kept beside it in the output.
     routed = []
     if inventory.expert_layers:
-        probe = [pool.sample(rng, args.input_len) for _ in range(max(batch_sizes))]
+        # The probe's prompts only need to route like real ones: a long
+        # context without its prefill (--skip-prefill) is probed shorter.
+        probe_len = min(args.input_len, 512) if args.skip_prefill else args.input_len
+        probe = [pool.sample(rng, probe_len) for _ in range(max(batch_sizes))]
         routed = record_routing(llm, probe)
         result["expert_routing"] = "measured"
 
@@ -325,7 +386,7 @@ def format_result(result: dict[str, Any]) -> str:
     for run in result["runs"]:
         roof, step = run["roofline"], run["decode_step_ms"]
         rows: list[tuple[str, Any]] = [
-            ("Prefill (ms):", run["prefill_ms"]),
+            ("Prefill (ms):", run["prefill_ms"] if run["prefill_ms"] is not None else "skipped"),
             ("End-to-end B x O run (ms):", run["e2e_ms"]),
             ("Decode steps measured:", run["num_decode_steps"]),
             ("Decode step mean (ms):", step["mean"]),
