@@ -99,6 +99,7 @@ def triton_ops(device_type: str) -> OpSet:
     import tinyengine.kernels.mla.triton as mla
     import tinyengine.kernels.moe.triton as moe
     import tinyengine.kernels.rope.triton as rope
+    import tinyengine.kernels.sparse_attention.triton as sparse_attention
 
     ref = torch_ops()
     common = dict(
@@ -114,7 +115,7 @@ def triton_ops(device_type: str) -> OpSet:
         write_rows=ref.write_rows,
         compress_windows=ref.compress_windows,
         indexer_topk=indexer.indexer_topk,
-        sparse_attention=ref.sparse_attention,
+        sparse_attention=sparse_attention.sparse_attention,
     )
     if device_type != "cuda":
         return OpSet(

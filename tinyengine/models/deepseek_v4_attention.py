@@ -229,7 +229,7 @@ class V4Attention(nn.Module):
         out = ops.sparse_attention(
             q, cache["kv"], attn, window=d.sliding_window, sinks=self.sinks,
             scale=d.head_dim**-0.5, entry_cache=cache.get("entries"), ratio=self.ratio,
-            topk_indices=topk,
+            topk_indices=topk, workspace=ctx.workspace,
         )  # fmt: skip
         out = self.rotary.rotate(out, positions, inverse=True)
         grouped = out.view(num_tokens, d.o_groups, -1)

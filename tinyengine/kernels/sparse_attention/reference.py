@@ -44,8 +44,10 @@ def sparse_attention(
     entry_cache: torch.Tensor | None = None,
     ratio: int = 0,
     topk_indices: torch.Tensor | None = None,
+    workspace: Any = None,
 ) -> torch.Tensor:
-    """q [T, H, D] -> out [T, H, D] in q.dtype (rows of padding stay 0)."""
+    """q [T, H, D] -> out [T, H, D] in q.dtype (rows of padding stay 0).
+    `workspace` is unused (the Triton op's scratch arena; same signature)."""
     block_size = kv_cache.shape[1]
     flat_kv = kv_cache.view(-1, kv_cache.shape[-1])
     flat_entries = None if entry_cache is None else entry_cache.view(-1, entry_cache.shape[-1])
@@ -77,8 +79,36 @@ def sparse_attention(
         if split.rows is None:
             return attended
         out.index_copy_(0, split.rows, attended)
+    attend_longer(
+        out, q, kv_cache, attn, split.longer, window=window, sinks=sinks, scale=scale,
+        entry_cache=entry_cache, ratio=ratio, topk_indices=topk_indices,
+    )  # fmt: skip
+    return out
+
+
+def attend_longer(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn: Any,
+    seqs: list[int],
+    *,
+    window: int,
+    sinks: torch.Tensor,
+    scale: float,
+    entry_cache: torch.Tensor | None = None,
+    ratio: int = 0,
+    topk_indices: torch.Tensor | None = None,
+) -> None:
+    """The rows of sequences `seqs` (each with a longer chunk; host lengths
+    from attn) into out [T, H, D], one sequence at a time. The Triton op
+    sends its longer chunks here too."""
+    block_size = kv_cache.shape[1]
+    flat_kv = kv_cache.view(-1, kv_cache.shape[-1])
+    flat_entries = None if entry_cache is None else entry_cache.view(-1, entry_cache.shape[-1])
+    rows = 0 if entry_cache is None else entry_cache.shape[1]
     starts = attn.query_start_loc_cpu
-    for i in split.longer:
+    for i in seqs:
         end = attn.seq_lens_cpu[i]
         lo, hi = starts[i], starts[i + 1]
         table = attn.block_tables[i]
@@ -105,7 +135,6 @@ def sparse_attention(
                     picks = topk_indices[t0:t1]
                     parts.append((entry_keys[picks.clamp(min=0)], picks >= 0))
             out[t0:t1] = _attend(q[t0:t1], parts, sinks, scale)
-    return out
 
 
 _QUERY_TILE = 256
