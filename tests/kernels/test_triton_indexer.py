@@ -8,7 +8,11 @@ must equal the reference's exactly, ties included. Compressed entries sit in
 randomly permuted blocks; every slot no visible entry owns (spare rows,
 entries not complete yet, table padding) holds NaN, so a read outside what a
 row may see shows up. With a separate entry table, block_tables points only
-at the poisoned block: reading through it is caught too.
+at the poisoned block: reading through it is caught too. Mixed steps
+(decode rows, chunks after a cached prefix, whole prompts, padding rows) run
+every token through the kernels as a row of its own, and must pick exactly
+what the reference's per-sequence loop (choose_longer) picks
+(test_triton_v4_prefill.py: row blocks, ties in chunks, long chunks on the GPU).
 
 The top-k select kernel is checked on its own against torch.topk on packed
 keys built to stress it (ties across the k-th place, scores equal but for
@@ -52,9 +56,11 @@ def make_batch(
     seqs: list[tuple[int, int]], *, heads: int = 4, dim: int = 16, block_size: int = 8,
     ratio: int = 4, topk: int = 8, entry_table: bool = True, graph: bool = False,
     max_seq_len: int | None = None, dtype: torch.dtype = torch.float32, integer: bool = True,
-    zero_q: bool = False, same_keys: bool = False, seed: int = 0, device: str = DEVICE,
+    zero_q: bool = False, same_keys: bool = False, pad_rows: int = 0, seed: int = 0,
+    device: str = DEVICE,
 ) -> Batch:  # fmt: skip
-    """seqs: (context length after the step, query rows this step) each."""
+    """seqs: (context length after the step, query rows this step) each;
+    pad_rows: rows after the last sequence's (padding of an eager step)."""
     g = torch.Generator().manual_seed(seed)
     rows = -(-block_size // ratio) + 1
     blocks = [-(-s // block_size) for s, _ in seqs]
@@ -76,7 +82,7 @@ def make_batch(
         if same_keys:
             keys = shared.expand(n, -1)
         flat[entry_slots(table[i], torch.arange(n), ratio, block_size, rows)] = keys
-    num_tokens = sum(t for _, t in seqs)
+    num_tokens = sum(t for _, t in seqs) + pad_rows
     if integer:
         q = torch.randint(-2, 3, (num_tokens, heads, dim), generator=g).float()
         weights = torch.randint(-2, 3, (num_tokens, heads), generator=g).float()
@@ -107,15 +113,21 @@ def make_batch(
                  table, kwargs)  # fmt: skip
 
 
-def dense_scores(b: Batch, rows: list[int], seq_lens: list[int], num_entries: int) -> torch.Tensor:
-    """fp32 [len(rows), num_entries] decode-row scores in fp64 (exact for
-    integer inputs), -inf where the row cannot see the entry."""
+def dense_scores(
+    b: Batch, rows: list[int], seq_lens: list[int], num_entries: int,
+    seqs: list[int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """fp32 [len(rows), num_entries] scores of query rows `rows`, each a
+    decode row of length seq_lens[j] reading table row seqs[j] (default j),
+    in fp64 (exact for integer inputs), -inf where the row cannot see the entry."""
     r, bs = b.kwargs["ratio"], b.kwargs["block_size"]
     flat = b.cache.double().cpu().view(-1, b.cache.shape[-1])
     out = torch.full((len(rows), num_entries), float("-inf"), dtype=torch.float64)
+    seqs = list(range(len(rows))) if seqs is None else seqs
     for j, (row, s) in enumerate(zip(rows, seq_lens, strict=True)):
         n = min(s // r, num_entries)
-        keys = flat[entry_slots(b.table[j].cpu(), torch.arange(n), r, bs, b.cache.shape[1])]
+        table = b.table[seqs[j]].cpu()
+        keys = flat[entry_slots(table, torch.arange(n), r, bs, b.cache.shape[1])]
         qk = torch.relu(b.q[row].double().cpu() @ keys.T)  # [H, n]
         out[j, :n] = b.kwargs["scale"] * (b.weights[row].double().cpu() @ qk)
     return out.float()
@@ -254,16 +266,28 @@ def test_graph_shaped_step_matches_reference(entry_table):
     assert (out[1] == -1).all()
 
 
+# Decode rows between longer chunks: chunks after a cached prefix that
+# start and end mid-block and cross windows, whole prompts, a chunk whose
+# first rows see no entry yet.
+MIXED = [(61, 1), (40, 9), (3, 1), (20, 20), (150, 1), (90, 2), (70, 33)]
+
+
 @pytest.mark.parametrize("entry_table", [True, False])
-def test_mixed_batch_matches_reference(entry_table):
-    """Decode rows between longer chunks: the kernel fills the decode rows,
-    the reference's loop the rest."""
-    seqs = [(61, 1), (40, 9), (3, 1), (20, 20), (150, 1), (90, 2)]
-    b = make_batch(seqs, entry_table=entry_table, topk=10, block_size=8, seed=5)
-    out = b.run(workspace=Workspace(DEVICE))
+@pytest.mark.parametrize(("block_size", "dtype"), [(8, torch.float32), (4, torch.bfloat16)])
+def test_mixed_batch_matches_reference(entry_table, block_size, dtype):
+    """Every row through the kernel, padding rows -1, exactly the reference's
+    per-sequence picks (choose_longer) on integer inputs."""
+    b = make_batch(MIXED, entry_table=entry_table, topk=10, block_size=block_size, dtype=dtype,
+                   pad_rows=3, seed=5)  # fmt: skip
+    ws = Workspace(DEVICE)
+    out = b.run(workspace=ws)
+    assert ws.stats.num_growths == 1  # the keys came from the arena
+    assert out.shape == (b.attn.num_tokens, 10)
     assert torch.equal(out, b.run(ref.indexer_topk))
     assert (out[10] == -1).all()  # the 3-token sequence's row
     assert (out[11:14] == -1).all()  # positions 0..2 of the 20-token prefill
+    assert (out[14:31, 0] >= 0).all()
+    assert (out[-3:] == -1).all()  # padding
 
 
 def test_rows_before_any_window():
@@ -329,7 +353,7 @@ def test_v4_flash_shapes_exact_on_integers():
     assert torch.equal(out, b.run(ref.indexer_topk))
     for select in ("radix", "torch"):
         for block_e, warps, stages, tiles in SCORING_CONFIGS:
-            picked = tri.decode_topk(
+            picked = tri.rows_topk(
                 b.q, b.weights, b.cache, b.attn.seq_lens, b.table, num_entries=65536 // 4,
                 select=select, block_e=block_e, num_warps=warps, num_stages=stages,
                 tiles_per_program=tiles, **b.kwargs,

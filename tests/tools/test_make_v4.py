@@ -49,7 +49,9 @@ def test_tiny_preset_chats_with_the_real_tokenizer(tiny):
     messages = [[{"role": "user", "content": "Hello, who are you?"}]]
     out = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 12 and out[0].outputs[0].text
-    assert out[0].prompt == "<｜begin▁of▁sentence｜><｜User｜>Hello, who are you?<｜Assistant｜></think>"
+    assert out[0].prompt == (
+        "<｜begin▁of▁sentence｜><｜User｜>Hello, who are you?<｜Assistant｜></think>"
+    )
     assert out[0].prompt_token_ids[0] == 0  # the BOS id
 
 

@@ -45,12 +45,19 @@ class OpSet:
     # projection fused with the activation, linear_silu_mul(x, weight, bias=None)
     linear: Callable[..., torch.Tensor]
     linear_silu_mul: Callable[..., torch.Tensor]
-    # DeepSeek-V4: compressor/reference.py (write_rows, compress_windows),
-    # indexer/reference.py (indexer_topk), sparse_attention/reference.py
+    # DeepSeek-V4: compressor/reference.py (write_rows, compress_windows,
+    # write_and_compress: both in one), indexer/reference.py (indexer_topk),
+    # sparse_attention/reference.py
     write_rows: Callable[..., None]
     compress_windows: Callable[..., None]
+    write_and_compress: Callable[..., None]
     indexer_topk: Callable[..., torch.Tensor]
     sparse_attention: Callable[..., torch.Tensor]
+    # DeepSeek-V4's hyper-connections, mhc/reference.py: mhc_pre (weights,
+    # Sinkhorn, collapse), mhc_head (the final collapse), mhc_post (expansion)
+    mhc_pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    mhc_head: Callable[..., torch.Tensor]
+    mhc_post: Callable[..., torch.Tensor]
     # sampling/reference.py's gumbel_argmax signature: the sampler's one-pass
     # draw. None: the sampler draws with its own torch path (worker/sampler.py).
     sample_draw: Callable[..., torch.Tensor] | None
@@ -63,6 +70,7 @@ def torch_ops() -> OpSet:
     from tinyengine.kernels.compressor import reference as compressor
     from tinyengine.kernels.gemv import reference as gemv
     from tinyengine.kernels.indexer import reference as indexer
+    from tinyengine.kernels.mhc import reference as mhc
     from tinyengine.kernels.mla import reference as mla
     from tinyengine.kernels.moe import reference as moe
     from tinyengine.kernels.norm import reference as norm
@@ -82,8 +90,12 @@ def torch_ops() -> OpSet:
         linear_silu_mul=gemv.linear_silu_mul,
         write_rows=compressor.write_rows,
         compress_windows=compressor.compress_windows,
+        write_and_compress=compressor.write_and_compress,
         indexer_topk=indexer.indexer_topk,
         sparse_attention=sparse_attention.sparse_attention,
+        mhc_pre=mhc.mhc_pre,
+        mhc_head=mhc.mhc_head,
+        mhc_post=mhc.mhc_post,
         sample_draw=None,
     )
 
@@ -95,7 +107,9 @@ def triton_ops(device_type: str) -> OpSet:
     set keeps their references (the tokens of a CPU run stay the torch path's)."""
     enable_triton_interpreter_if_needed(device_type)
     import tinyengine.kernels.attention.triton as attention
+    import tinyengine.kernels.compressor.triton as compressor
     import tinyengine.kernels.indexer.triton as indexer
+    import tinyengine.kernels.mhc.triton as mhc
     import tinyengine.kernels.mla.triton as mla
     import tinyengine.kernels.moe.triton as moe
     import tinyengine.kernels.rope.triton as rope
@@ -110,12 +124,16 @@ def triton_ops(device_type: str) -> OpSet:
         mla_decode=mla.mla_decode,
         fused_moe=moe.fused_moe,
         # DeepSeek-V4: kernels for decode rows (prefill chunks go through the
-        # references inside them); the cache writes and the compressor are
-        # references in both sets.
+        # references inside them); the plain cache write is the reference in
+        # both sets.
         write_rows=ref.write_rows,
-        compress_windows=ref.compress_windows,
+        compress_windows=compressor.compress_windows,
+        write_and_compress=compressor.write_and_compress,
         indexer_topk=indexer.indexer_topk,
         sparse_attention=sparse_attention.sparse_attention,
+        mhc_pre=mhc.mhc_pre,
+        mhc_head=mhc.mhc_head,
+        mhc_post=mhc.mhc_post,
     )
     if device_type != "cuda":
         return OpSet(

@@ -44,7 +44,7 @@ from tinyengine.models.deepseek_v4_attention import (
     V4Rotary,
     fp32_param,
 )
-from tinyengine.models.hyper_connections import HyperConnection, HyperHead, expand_streams
+from tinyengine.models.hyper_connections import HyperConnection, HyperHead
 from tinyengine.models.layers import (
     CausalLM,
     ReplicatedLinear,
@@ -247,12 +247,12 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
-        post, comb, x = self.attn_hc(streams)
+        post, comb, x = self.attn_hc(streams, ctx.ops)
         out = self.self_attn(positions, self.input_layernorm(x, ctx.ops), ctx)
-        streams = expand_streams(streams, post, comb, out)
-        post, comb, x = self.ffn_hc(streams)
+        streams = ctx.ops.mhc_post(streams, post, comb, out)
+        post, comb, x = self.ffn_hc(streams, ctx.ops)
         out = self.mlp(self.post_attention_layernorm(x, ctx.ops), input_ids, ctx)
-        return expand_streams(streams, post, comb, out)
+        return ctx.ops.mhc_post(streams, post, comb, out)
 
 
 class DeepseekV4Model(nn.Module):
@@ -279,7 +279,7 @@ class DeepseekV4Model(nn.Module):
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(positions, streams, input_ids, ctx)
-        return self.norm(self.hc_head(streams), ctx.ops)
+        return self.norm(self.hc_head(streams, ctx.ops), ctx.ops)
 
 
 # Checkpoint names: DeepSeek's release spelling -> HF's (transformers'

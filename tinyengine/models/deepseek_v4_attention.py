@@ -127,13 +127,13 @@ class V4Compressor(nn.Module):
 
     def update(self, x: torch.Tensor, cache: dict, prefix: str, ctx: ForwardContext,
                rotary: V4Rotary) -> None:  # fmt: skip
-        """Page this step's per-token state, then write the entries it completes."""
-        state = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
-        ctx.ops.write_rows(cache[f"{prefix}state"], state, ctx.attn.slot_mapping)
-        ctx.ops.compress_windows(
-            cache[f"{prefix}state"], cache[f"{prefix}entries"], ctx.attn,
-            ratio=self.ratio, overlap=self.overlap, position_bias=self.position_bias,
-            norm_weight=self.kv_norm.weight, eps=self.eps, cos_sin=rotary.cos_sin_cache,
+        """Page this step's per-token state [kv_proj(x) | gate_proj(x)], then
+        write the entries it completes (one op: a decode step is one launch)."""
+        ctx.ops.write_and_compress(
+            cache[f"{prefix}state"], cache[f"{prefix}entries"], self.kv_proj(x),
+            self.gate_proj(x), ctx.attn, ratio=self.ratio, overlap=self.overlap,
+            position_bias=self.position_bias, norm_weight=self.kv_norm.weight, eps=self.eps,
+            cos_sin=rotary.cos_sin_cache,
         )  # fmt: skip
 
 

@@ -7,6 +7,11 @@ the block's input (`pre`), expand the block's output back over the streams
 matrices by Sinkhorn-Knopp iterations); `HyperHead` collapses them once more
 before the final norm. As Hugging Face's DeepseekV4HyperConnection /
 DeepseekV4HyperHead; parameters (fp32, as HF keeps them) carry HF's names.
+
+The modules own the parameters and the fp32 projection of the flattened
+streams (one matmul); everything after it -- the norm's factor, the weights,
+Sinkhorn, the collapse, and the expansion after the block -- is the op set's
+mhc ops (kernels/mhc), so that it is one launch instead of ~150 small ones.
 """
 
 from __future__ import annotations
@@ -16,18 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tinyengine.models.deepseek_v4_attention import fp32_param, unweighted_rms_norm
+from tinyengine.models.deepseek_v4_attention import fp32_param
 
 if TYPE_CHECKING:
+    from tinyengine.kernels import OpSet
     from tinyengine.models.deepseek_v4 import DeepseekV4Args
-
-
-def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
 
 
 class HyperConnection(nn.Module):
@@ -41,29 +39,17 @@ class HyperConnection(nn.Module):
         self.base = fp32_param((2 + hc) * hc)
         self.scale = fp32_param(3)
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> post [T, hc], comb [T, hc, hc] (fp32), the collapsed input [T, D]."""
-        hc = self.hc
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre_w, post_w, comb_w = (flat @ self.fn.t()).split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1)
-        comb = _sinkhorn(comb + self.hc_eps, self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
-
-
-def expand_streams(
-    streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """The block's output spread over the streams, plus the mixed streams."""
-    dtype = streams.dtype
-    return (
-        post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(1, 2) @ streams
-    )
+    def forward(
+        self, streams: torch.Tensor, ops: OpSet
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> post [T, hc], comb [T, hc, hc] (fp32), the collapsed input [T, D].
+        The projection skips HF's weightless RMS norm: the op applies its
+        per-token factor to the projection instead (kernels/mhc/reference.py)."""
+        mixes = streams.flatten(1).float() @ self.fn.t()
+        return ops.mhc_pre(
+            streams, mixes, self.base, self.scale,
+            iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
+        )  # fmt: skip
 
 
 class HyperHead(nn.Module):
@@ -77,7 +63,8 @@ class HyperHead(nn.Module):
         self.hc_base = fp32_param(hc)
         self.hc_scale = fp32_param(1)
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid((flat @ self.hc_fn.t()) * self.hc_scale + self.hc_base) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    def forward(self, streams: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        mixes = streams.flatten(1).float() @ self.hc_fn.t()
+        return ops.mhc_head(
+            streams, mixes, self.hc_base, self.hc_scale, hc_eps=self.hc_eps, norm_eps=self.norm_eps
+        )

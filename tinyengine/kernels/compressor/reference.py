@@ -34,7 +34,9 @@ imports `models/` or `tinyengine/`. Two paths (`split_rows`): the
 sequences with one new token (every row of a graph-shaped decode step,
 whose host lengths are None; the decode rows of an eager step) go through
 device ops only, together and safe to capture; a sequence with a longer
-chunk goes alone through a loop with host lengths.
+chunk goes alone through a loop with host lengths (compress_longer, which
+the Triton op calls too). write_and_compress is a compressor's whole step,
+write_rows then compress_windows (one launch in the Triton op set).
 """
 
 from __future__ import annotations
@@ -172,14 +174,62 @@ def compress_windows(
         rows = torch.where(done, entry_slots(at, windows[:, None], ratio, block_size,
                                              pool.rows)[:, 0], scratch)  # fmt: skip
         pool.write(rows, pool.entries(tables, windows))
+    _compress_seqs(pool, attn, split.longer)
+
+
+def compress_longer(
+    state_cache: torch.Tensor,
+    entry_cache: torch.Tensor,
+    attn: Any,
+    seqs: list[int],
+    *,
+    ratio: int,
+    overlap: bool,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+) -> None:
+    """compress_windows for the sequences `seqs` only (each with a longer
+    chunk, split_rows' `longer`), one by one with host lengths. The Triton
+    op sends its longer chunks here."""
+    pool = _Pool(state_cache, entry_cache, ratio, overlap, position_bias, norm_weight, eps, cos_sin)
+    _compress_seqs(pool, attn, seqs)
+
+
+def write_and_compress(
+    state_cache: torch.Tensor,
+    entry_cache: torch.Tensor,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    attn: Any,
+    *,
+    ratio: int,
+    overlap: bool,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+) -> None:
+    """A compressor's whole step: the state rows [kv | gate] ([T, C] each)
+    written at attn.slot_mapping (write_rows), then compress_windows."""
+    write_rows(state_cache, torch.cat([kv, gate], dim=-1), attn.slot_mapping)
+    compress_windows(
+        state_cache, entry_cache, attn, ratio=ratio, overlap=overlap,
+        position_bias=position_bias, norm_weight=norm_weight, eps=eps, cos_sin=cos_sin,
+    )  # fmt: skip
+
+
+def _compress_seqs(pool: _Pool, attn: Any, seqs: list[int]) -> None:
+    ratio = pool.ratio
     starts = attn.query_start_loc_cpu
-    for i in split.longer:
+    for i in seqs:
         end = attn.seq_lens_cpu[i]
         start = end - (starts[i + 1] - starts[i])
         if end // ratio <= start // ratio:
             continue  # no window ends in this step's tokens
-        windows = torch.arange(start // ratio, end // ratio, device=state_cache.device)
-        rows = entry_slots(entry_tables(attn)[i], windows, ratio, block_size, pool.rows)
+        windows = torch.arange(start // ratio, end // ratio, device=pool.flat_state.device)
+        rows = entry_slots(entry_tables(attn)[i], windows, ratio, pool.block_size, pool.rows)
         table = attn.block_tables[i].expand(len(windows), -1)
         pool.write(rows, pool.entries(table, windows))
 

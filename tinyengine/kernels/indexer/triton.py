@@ -1,9 +1,14 @@
-"""Triton lightning indexer (DeepSeek-V4 CSA layers) for decode rows: the op
-`indexer_topk`, whose meaning (and layout) is kernels/indexer/reference.py's,
-the torch reference; same signature, so models never know which runs.
+"""Triton lightning indexer (DeepSeek-V4 CSA layers): the op `indexer_topk`,
+whose meaning (and layout) is kernels/indexer/reference.py's, the torch
+reference; same signature, so models never know which runs.
 
-Two steps per decode row (one query at p = seq_len - 1, visible entries
-w < seq_len // ratio):
+Every query row goes through the kernels, decode rows and the tokens of
+longer chunks (prefill, mixed batches) alike: a chunk's token at position p
+picks exactly as a decode row of length p + 1 of its sequence would
+(kernels/sparse_attention/rows.py, the row model), so no step loops over
+sequences on the host; reference.choose_longer stays the definition of
+those tokens' picks. Two steps per row (one query at p = seq_len - 1,
+visible entries w < seq_len // ratio):
 
 1. `_score_kernel` writes one int64 key per entry up to max_seq_len // ratio
    (the host's bound for every row of the step): the score packed with its
@@ -46,9 +51,10 @@ context, most of the op at one row.
 
 Graph safety: no host reads of device tensors; grid, chunking and buffer
 sizes come from host ints (rows, max_seq_len); the key buffer comes from the
-workspace arena when one is given. An eager step's sequences with a longer
-chunk (prefill) go through the reference's per-sequence loop
-(reference.choose_longer); only decode rows use the kernel.
+workspace arena when one is given. An eager step (never captured) runs
+its attn.num_tokens rows in blocks whose keys fit a budget or the arena: a
+prefill chunk's rows each take a key per entry of max_seq_len (8192 rows at
+64k context: 1 GiB at once).
 """
 
 from __future__ import annotations
@@ -60,10 +66,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tinyengine.kernels.compressor.reference import split_rows
+from tinyengine.kernels.compressor.reference import entry_tables
 from tinyengine.kernels.device_fn import device_fn
-from tinyengine.kernels.indexer.reference import NEG_INF_HI, choose_longer, unpack_picks
+from tinyengine.kernels.indexer.reference import NEG_INF_HI, unpack_picks
 from tinyengine.kernels.launch import dot_precision, interpreting, num_sms
+from tinyengine.kernels.sparse_attention.rows import query_rows, rows_per_block, scratch
 
 _NEG_INF_HI = tl.constexpr(NEG_INF_HI)
 
@@ -78,6 +85,9 @@ _PROGRAMS_PER_SM = 8  # aim: this many programs per SM, so the last wave is shor
 _SELECT_BLOCK = 4096
 _SELECT_WARPS = 8
 _DIGIT = 8  # bits of the score resolved per radix pass
+# An eager step's keys per row block at most (or what the arena holds, if
+# more): 1024 rows at 64k context.
+_KEYS_BUDGET = 128 << 20
 
 
 @device_fn
@@ -92,19 +102,24 @@ def _pack_keys(score, entry):
 
 @triton.jit(do_not_specialize=["num_entries", "chunk"])
 def _score_kernel(
-    q_ptr, w_ptr, key_ptr, table_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, w_ptr, key_ptr, table_ptr, seq_lens_ptr, seqs_ptr, out_ptr,
     scale, num_entries, chunk, num_heads,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kr, stride_tb, stride_ot,
     RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (chunks, rows): out[row, e] for e in [chunk * c, chunk * (c + 1))
-    clipped to num_entries; chunk is a multiple of BLOCK_E."""
+    clipped to num_entries; chunk is a multiple of BLOCK_E. Row `row` reads
+    q, weights and out row `row` and block table row seqs[row] (HAS_SEQS)
+    or `row`; it sees entries w < seq_lens[row] // RATIO (none at length <= 0)."""
     row = tl.program_id(1)
     start = tl.program_id(0) * chunk
     end = tl.minimum(start + chunk, num_entries)
-    visible = tl.load(seq_lens_ptr + row) // RATIO
+    visible = tl.maximum(tl.load(seq_lens_ptr + row), 0) // RATIO
+    seq = row.to(tl.int64)
+    if HAS_SEQS:
+        seq = tl.load(seqs_ptr + row).to(tl.int64)
     live_end = tl.minimum(end, visible)
     out_row = out_ptr + row.to(tl.int64) * stride_ot
     offs_e = tl.arange(0, BLOCK_E)
@@ -120,7 +135,7 @@ def _score_kernel(
         if UPCAST:
             q = q.to(tl.float32)
         q_t = tl.trans(q)
-        table_row = table_ptr + row.to(tl.int64) * stride_tb
+        table_row = table_ptr + seq * stride_tb
         for e0 in range(start, live_end, BLOCK_E):
             entry = e0 + offs_e
             ok = entry < live_end
@@ -228,24 +243,30 @@ def indexer_topk(
 ) -> torch.Tensor:
     """Same contract as reference.indexer_topk: q [T, H, Di], weights [T, H]
     fp32, key_cache [num_blocks, rows, Di] -> int64 [T, topk], -1 where none."""
-    split = split_rows(attn)
+    rows = query_rows(attn)
+    if rows.num_rows != q.shape[0]:
+        raise ValueError(f"indexer: {rows.num_rows} query rows, q has {q.shape[0]}")
     num_entries = attn.max_seq_len // ratio
-    kwargs = dict(ratio=ratio, topk=topk, scale=scale, block_size=block_size)
-    if split.rows is None and not split.longer and num_entries:  # every row a decode row
-        return decode_topk(q, weights, key_cache, split.seq_lens, split.entry_tables,
-                           num_entries=num_entries, workspace=workspace, **kwargs)  # fmt: skip
-    out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    if split.num_decode and num_entries:
-        picked = decode_topk(
-            split.take(q), split.take(weights), key_cache, split.seq_lens, split.entry_tables,
-            num_entries=num_entries, workspace=workspace, **kwargs,
-        )  # fmt: skip
-        out.index_copy_(0, split.rows, picked)
-    choose_longer(out, q, weights, key_cache, attn, split.longer, **kwargs)
+    if not num_entries or not rows.num_rows:  # no window complete in any row
+        return torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    kwargs = dict(ratio=ratio, topk=topk, scale=scale, block_size=block_size,
+                  num_entries=num_entries, workspace=workspace, eager=rows.eager)  # fmt: skip
+    tables = entry_tables(attn)
+    if not rows.eager:  # graph-shaped: one launch, whatever the rows
+        return rows_topk(q, weights, key_cache, rows.seq_lens, tables, **kwargs)
+    # An eager step's rows in blocks whose keys fit (the module docstring).
+    row_bytes = 8 * (num_entries + triton.next_power_of_2(topk))
+    step = rows_per_block(rows.num_rows, row_bytes, _KEYS_BUDGET, workspace)
+    out = torch.empty(q.shape[0], topk, dtype=torch.long, device=q.device)
+    for r0 in range(0, rows.num_rows, step):
+        r1 = min(r0 + step, rows.num_rows)
+        block = rows.block(r0, r1)
+        rows_topk(q[r0:r1], weights[r0:r1], key_cache, block.seq_lens, tables, seqs=block.seqs,
+                  out=out[r0:r1], **kwargs)  # fmt: skip
     return out
 
 
-def decode_topk(
+def rows_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
     key_cache: torch.Tensor,
@@ -257,29 +278,33 @@ def decode_topk(
     scale: float,
     block_size: int,
     num_entries: int,
+    seqs: torch.Tensor | None = None,
     workspace: Any = None,
+    eager: bool = False,
+    out: torch.Tensor | None = None,
     select: str = "radix",
     **overrides: int,
 ) -> torch.Tensor:
-    """int64 [n, topk] picks of n decode rows (row i: one query at
-    seq_lens[i] - 1, entries through tables[i]) among the first num_entries
-    (>= 1) entries. select="torch": torch.topk on the keys instead of the
-    radix-select kernel (benchmarks). `overrides` go to score_entries."""
+    """int64 [n, topk] picks of n query rows (row i: one query at
+    seq_lens[i] - 1, entries through tables[seqs[i]], or tables[i] without
+    seqs) among the first num_entries (>= 1) entries, into `out` when given.
+    eager: the step is never captured (rows.scratch). select="torch":
+    torch.topk on the keys instead of the radix-select kernel (benchmarks).
+    `overrides` go to score_entries."""
     specs = (((q.shape[0], num_entries), torch.int64),
              ((q.shape[0], triton.next_power_of_2(topk)), torch.int64))  # fmt: skip
-    if workspace is not None:  # one request: a later get would reuse the keys' bytes
-        keys, chosen = workspace.get(*specs)
-    else:
-        keys, chosen = (torch.empty(shape, dtype=dt, device=q.device) for shape, dt in specs)
+    # One request: a later get would reuse the keys' bytes.
+    keys, chosen = scratch(workspace, specs, q.device, eager)
     score_entries(
         q, weights, key_cache, seq_lens, tables, ratio=ratio, scale=scale,
-        block_size=block_size, num_entries=num_entries, out=keys, **overrides,
+        block_size=block_size, num_entries=num_entries, seqs=seqs, out=keys, **overrides,
     )  # fmt: skip
     if select == "torch":
         k = min(topk, num_entries)
         picks = unpack_picks(torch.topk(keys, k, dim=1).values)
-        return F.pad(picks, (0, topk - k), value=-1) if k < topk else picks
-    return select_topk(keys, topk, chosen)
+        picks = F.pad(picks, (0, topk - k), value=-1) if k < topk else picks
+        return picks if out is None else out.copy_(picks)
+    return select_topk(keys, topk, chosen, out=out)
 
 
 def select_topk(
@@ -287,15 +312,20 @@ def select_topk(
     topk: int,
     chosen: torch.Tensor,
     *,
+    out: torch.Tensor | None = None,
     block: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """int64 [n, topk] entry ids of the min(topk, E) largest packed keys
     [n, E >= 1] per row, largest first, -1 for -inf scores and past E: what
-    unpack_picks(torch.topk(keys, ...).values) gives. chosen: int64 scratch
+    unpack_picks(torch.topk(keys, ...).values) gives; into `out` (rows of
+    contiguous ids) when given. chosen: int64 scratch
     [n, >= next_power_of_2(topk)]."""
     n, num_entries = keys.shape
-    out = torch.empty(n, topk, dtype=torch.int64, device=keys.device)
+    if out is None:
+        out = torch.empty(n, topk, dtype=torch.int64, device=keys.device)
+    elif out.shape != (n, topk) or out.stride(1) != 1:
+        raise ValueError(f"indexer: out {tuple(out.shape)} must be [{n}, {topk}], rows contiguous")
     if n:
         _select_kernel[(n,)](
             keys, chosen, out, num_entries, min(topk, num_entries),
@@ -317,6 +347,7 @@ def score_entries(
     scale: float,
     block_size: int,
     num_entries: int,
+    seqs: torch.Tensor | None = None,
     workspace: Any = None,
     out: torch.Tensor | None = None,
     block_e: int | None = None,
@@ -325,7 +356,8 @@ def score_entries(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """int64 [n, num_entries] packed keys (reference.pack_scores of the
-    masked scores) of n decode rows, into `out` when given, else a view into
+    masked scores) of n query rows (row i's table row: seqs[i], or i without
+    seqs), into `out` when given, else a view into
     `workspace` (valid until its next use) or a new tensor. block_e /
     tiles_per_program / num_warps / num_stages override the defaults (tests,
     benchmarks)."""
@@ -354,13 +386,14 @@ def score_entries(
     same = q.dtype == key_cache.dtype
     upcast = interpreting() or not same
     _score_kernel[(triton.cdiv(num_entries, chunk), n)](
-        q, weights, key_cache, tables, seq_lens, out,
+        q, weights, key_cache, tables, seq_lens, seq_lens if seqs is None else seqs, out,
         scale, num_entries, chunk, num_heads,
         q.stride(0), q.stride(1), weights.stride(0), key_cache.stride(0), key_cache.stride(1),
         tables.stride(0), out.stride(0),
         RATIO=ratio, BLOCK_SIZE=block_size, DIM=dim,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_E=block_e, UPCAST=upcast,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_E=block_e, HAS_SEQS=seqs is not None,
+        UPCAST=upcast,
         DOT_PRECISION=dot_precision(key_cache.dtype if same else torch.float32),
         num_warps=num_warps or _NUM_WARPS, num_stages=num_stages or _NUM_STAGES,
     )  # fmt: skip

@@ -1,5 +1,6 @@
-"""The Triton kernels of DeepSeek-V4 sparse attention decode
-(kernels/sparse_attention/triton.py launches them and says how they work):
+"""The Triton kernels of DeepSeek-V4 sparse attention, one query row at a
+time (kernels/sparse_attention/triton.py launches them and says how they
+work; kernels/sparse_attention/rows.py what a row is):
 the split kernel `_sparse_split_kernel`, its per-tile step `_attend_tile`
 and key gather `_key_rows`, and `_sparse_reduce_kernel`, which merges the
 splits' partials together with the sink.
@@ -103,23 +104,24 @@ def _attend_tile(
 
 @triton.jit(do_not_specialize=["num_splits", "topk"])
 def _sparse_split_kernel(
-    q_ptr, kv_ptr, entry_offset, tables_ptr, table_delta, seq_lens_ptr, rows_ptr, topk_ptr,
+    q_ptr, kv_ptr, entry_offset, tables_ptr, table_delta, seq_lens_ptr, seqs_ptr, topk_ptr,
     picks_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, num_splits, num_heads, topk,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_eb, stride_er, stride_bt, stride_ebt,
     stride_topk, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr, RATIO: tl.constexpr, MODE: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_ROWS: tl.constexpr, DIRECT: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_SEQS: tl.constexpr, DIRECT: tl.constexpr, ALIGNED: tl.constexpr,
     LAZY_RESCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(H, BLOCK_H), decode rows, num_splits). Decode row b (q row
-    rows[b] with HAS_ROWS, else b) at p = seq_lens[b] - 1 has the key list
-    [its window's raw rows max(0, p - WINDOW + 1) .. p | its entries] (MODE:
-    every complete entry, or its `topk` picks); split s takes whole tiles
-    [s * chunk, (s + 1) * chunk) of it, chunk from the device length, so a
-    grid sized from host ints fits any length.
+    """Grid (cdiv(H, BLOCK_H), rows, num_splits). Row b (q, top-k and out
+    row b; block table row seqs[b] with HAS_SEQS, else b: rows.py's row
+    model) at p = seq_lens[b] - 1 has the key list [its window's raw rows
+    max(0, p - WINDOW + 1) .. p | its entries] (MODE: every complete entry,
+    or its `topk` picks; a row of length <= 0, padding, has none); split s
+    takes whole tiles [s * chunk, (s + 1) * chunk) of it, chunk from the
+    device length, so a grid sized from host ints fits any length.
 
     DIRECT (one split): normalise with the sink and write `out`. Otherwise
     write the split's normalised partial and its log2-sum-exp to
@@ -129,8 +131,9 @@ def _sparse_split_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
     row = b.to(tl.int64)
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + b)
+    seq = row
+    if HAS_SEQS:
+        seq = tl.load(seqs_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b)
     n_win = tl.maximum(tl.minimum(seq_len, WINDOW), 0)
     first = seq_len - n_win
@@ -145,7 +148,9 @@ def _sparse_split_kernel(
         # Masking by the picks themselves made Triton gather them a second
         # time in that layout, about 40% more instructions per tile.
         kk = tl.arange(0, BLOCK_K)
-        picks = tl.load(topk_ptr + row * stride_topk + kk, mask=kk < topk, other=-1)
+        # A padding row (length <= 0) sees no entry, whatever its picks hold.
+        n_picks = tl.where(seq_len > 0, topk, 0)
+        picks = tl.load(topk_ptr + row * stride_topk + kk, mask=kk < n_picks, other=-1)
         valid = picks >= 0
         at = tl.cumsum(valid.to(tl.int32), 0) - 1
         tl.store(picks_row + at, picks.to(tl.int32), mask=valid)
@@ -174,8 +179,8 @@ def _sparse_split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    table_row = tables_ptr + b.to(tl.int64) * stride_bt
-    table_offset = table_delta + b.to(tl.int64) * (stride_ebt - stride_bt)
+    table_row = tables_ptr + seq * stride_bt
+    table_offset = table_delta + seq * (stride_ebt - stride_bt)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -219,11 +224,10 @@ def _sparse_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _sparse_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, rows_ptr, sinks_ptr, num_splits, stride_ot, stride_oh,
+    out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, num_splits, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (decode rows, H): out = sum_s w_s * part_s / (sum_s w_s + w_sink),
+    """Grid (rows, H): out = sum_s w_s * part_s / (sum_s w_s + w_sink),
     w_s = 2^(lse_s - M), w_sink = 2^(sink - M), M the max of them all. Dead
     splits (lse = -inf) weigh 0 and their unwritten partials are never
     loaded; the [D]-wide partials are summed CHUNK_S splits at a time."""
@@ -252,8 +256,5 @@ def _sparse_reduce_kernel(
         acc += tl.sum(w[:, None] * part, 0)
     total = tl.sum(denom, 0) + tl.exp2(sink - m)
     out = acc / tl.where(total == 0.0, 1.0, total)
-    row = b.to(tl.int64)
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + b)
-    o_ptrs = out_ptr + row * stride_ot + head * stride_oh + offs_d
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)

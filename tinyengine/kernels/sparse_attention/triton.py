@@ -1,22 +1,29 @@
-"""Triton DeepSeek-V4 sparse attention for decode rows: the launcher
-`sparse_attention`, its tile and split choice, and how its kernels
+"""Triton DeepSeek-V4 sparse attention: the launcher `sparse_attention`,
+its tile and split choice, and how its kernels
 (kernels/sparse_attention/split.py) work.
 
 Owns the GPU implementation of `sparse_attention`, whose numerical
 definition lives in kernels/sparse_attention/reference.py; the signature is
-the same. Decode rows (one new token; every row of a graph-shaped step) go
-through the kernels; a sequence with a longer chunk (prefill) goes through
-the reference's per-sequence path (reference.attend_longer), as the
-reference itself does.
+the same. Every query row goes through the kernels, decode rows and the
+tokens of longer chunks (prefill, mixed batches) alike, in one launch: a
+chunk's token at position p sees exactly what a decode row of length p + 1
+of its sequence sees (kernels/sparse_attention/rows.py, the row model), so
+one kernel serves both and no step loops over sequences on the host. The
+reference's per-sequence path (reference.attend_longer) stays the
+definition of what those tokens compute.
 
-Must never, on the decode path (each one breaks CUDA-graph capture or
-replay): read a device tensor on the host; size a grid or pick a kernel from
-tensor contents (only host ints: decode rows, H, D, window, top-k width,
-attn.max_seq_len, the SM count); allocate scratch outside the workspace
-arena when one is given.
+Must never, on a graph-shaped decode step (each one breaks CUDA-graph
+capture or replay): read a device tensor on the host; size a grid or pick a
+kernel from tensor contents (only host ints: rows, H, D, window, top-k
+width, attn.max_seq_len, the SM count); allocate scratch outside the
+workspace arena when one is given. An eager step (host lengths; never
+captured) sizes its grid from attn.num_tokens and builds its per-row
+lengths and sequences on the device; its scratch leaves a locked arena it
+would outgrow (rows.scratch says why).
 
-What a decode row attends. At p = seq_len - 1: the raw rows of positions
-max(0, p - window + 1) .. p, each through the token block table
+What a row attends. At p = seq_len - 1 (seq_len: the decode row's, or a
+chunk token's p + 1): the raw rows of positions max(0, p - window + 1) .. p,
+each through its sequence's token block table
 (kv_cache[table[pos // bs], pos % bs]), then compressed entries through the
 entry table (entry w in block table[last // bs], row (last % bs) // ratio,
 last = (w + 1) * ratio - 1): every complete one, w < (p + 1) // ratio (HCA),
@@ -26,7 +33,7 @@ Nothing else is read: a position before the window, whose table entry may
 point at the sliding group's null block, never has its block id loaded.
 
 The kernel. That key list is one index space [window rows | entries]; one
-program owns (decode row, BLOCK_H heads, split s) and walks whole BLOCK_N
+program owns (row, BLOCK_H heads, split s) and walks whole BLOCK_N
 tiles of its split's share, gathering each key's row through its own
 pointer (window rows and entries in one loop, so one shared-memory ring
 serves both: a second pipelined loop would claim another ring, and two
@@ -53,6 +60,13 @@ with the sink, the one logit without a value:
 
 With one split the split kernel applies the sink and writes `out` itself.
 
+Prefill. A chunk is many rows, so the split count falls to one (V4-Flash:
+from 67 rows on). Each token gathers its own window, though its neighbours
+share most of it: a chunk reads q_len x (window + k) key rows, as that many
+decode rows do. A kernel that gave one program several queries of a
+sequence would read each window row once; the row model keeps one kernel
+for both instead, and the chunk's cost is linear in q_len.
+
 Where it stands (H200, Triton 3.6, B=64, 640 keys a row: about 60 us, 90
 TFLOP/s, 13% of a measured 677 TFLOP/s bf16 MMA peak; 4-7x the torch
 reference). The loop is latency bound, not MMA or HBM bound: Triton issues
@@ -78,9 +92,10 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
-from tinyengine.kernels.compressor.reference import check_ratio, split_rows
+from tinyengine.kernels.compressor.reference import check_ratio
+from tinyengine.kernels.compressor.reference import entry_tables as entry_tables_of
 from tinyengine.kernels.launch import LOG2E, dot_precision, interpreting, num_sms
-from tinyengine.kernels.sparse_attention.reference import attend_longer
+from tinyengine.kernels.sparse_attention.rows import QueryRows, query_rows, scratch
 from tinyengine.kernels.sparse_attention.split import (
     ALL_ENTRIES,
     TOPK_ENTRIES,
@@ -183,30 +198,28 @@ def launch_sparse_attention(
     `tiles` (num_splits, block_h, block_n, num_warps, num_stages,
     lazy_rescale; tests and benchmarks): host values, so an overridden call
     is exactly as graph-safe as the default one."""
-    split = split_rows(attn)
-    whole = split.rows is None and not split.longer
-    out = torch.empty_like(q) if whole else torch.zeros_like(q)  # padding rows stay 0
-    if split.num_decode:
-        _decode_rows(
-            out, q, kv_cache, split, attn.max_seq_len, window, sinks, scale, entry_cache, ratio,
-            topk_indices, workspace, tiles,
+    rows = query_rows(attn)
+    if rows.num_rows != q.shape[0]:
+        raise ValueError(f"sparse_attention: {rows.num_rows} query rows, q has {q.shape[0]}")
+    out = torch.empty_like(q)  # every row is written: padding rows (length 0) get 0
+    if rows.num_rows:
+        _attend_rows(
+            out, q, kv_cache, attn, rows, window, sinks, scale, entry_cache, ratio, topk_indices,
+            workspace, tiles,
         )  # fmt: skip
-    attend_longer(
-        out, q, kv_cache, attn, split.longer, window=window, sinks=sinks, scale=scale,
-        entry_cache=entry_cache, ratio=ratio, topk_indices=topk_indices,
-    )  # fmt: skip
     return out
 
 
-def _decode_rows(
-    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, split: Any, max_seq_len: int,
+def _attend_rows(
+    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, attn: Any, rows: QueryRows,
     window: int, sinks: torch.Tensor, scale: float, entry_cache: torch.Tensor | None,
     ratio: int, topk: torch.Tensor | None, workspace: Any, tiles: dict[str, Any],
 ) -> None:  # fmt: skip
-    """The split kernel (and the reduce) over the decode rows of `split`."""
-    rows, (_, num_heads, head_dim) = split.num_decode, q.shape
+    """The split kernel (and the reduce) over every row of `rows`."""
+    num_rows, (_, num_heads, head_dim) = rows.num_rows, q.shape
+    max_seq_len = attn.max_seq_len
     block_size = kv_cache.shape[1]
-    tables = entry_tables = split.tables
+    tables = entry_tables = attn.block_tables
     if entry_cache is None:
         mode, max_keys, entry_cache = WINDOW_ONLY, window, kv_cache  # never read as entries
     else:
@@ -216,7 +229,7 @@ def _decode_rows(
                 f"sparse_attention: entry_cache {entry_cache.dtype} {tuple(entry_cache.shape)} "
                 f"must match kv_cache {kv_cache.dtype} rows of {head_dim}"
             )
-        entry_tables = split.entry_tables
+        entry_tables = entry_tables_of(attn)
         if topk is None:
             mode, max_keys = ALL_ENTRIES, window + max_seq_len // ratio
         else:
@@ -230,14 +243,14 @@ def _decode_rows(
     # Off the GPU, 132 SMs (an H200's): the interpreter takes the GPU's choices.
     sms = num_sms(q.device, off_gpu=132)
     elem = kv_cache.element_size()
-    cfg = sparse_config(rows, num_heads, head_dim, max_keys, sms, elem, mode == ALL_ENTRIES)
+    cfg = sparse_config(num_rows, num_heads, head_dim, max_keys, sms, elem, mode == ALL_ENTRIES)
     block_h = tiles.get("block_h") or cfg.block_h
     block_n = tiles.get("block_n") or cfg.block_n
     num_warps = tiles.get("num_warps") or (
         cfg.num_warps if block_h == cfg.block_h else _warps_for(block_h, head_dim)
     )
     num_splits = tiles.get("num_splits") or num_splits_for(
-        rows, num_heads, block_h, max_keys, block_n, sms, num_warps
+        num_rows, num_heads, block_h, max_keys, block_n, sms, num_warps
     )
     lazy = tiles.get("lazy_rescale")
     lazy = cfg.lazy_rescale if lazy is None else lazy
@@ -249,20 +262,17 @@ def _decode_rows(
     # then writes `out` itself).
     head_blocks = triton.cdiv(num_heads, block_h)
     block_k = triton.next_power_of_2(topk.shape[1]) if topk is not None else 1
-    specs = [((rows * head_blocks * num_splits, block_k), torch.int32)]
+    specs = [((num_rows * head_blocks * num_splits, block_k), torch.int32)]
     if not direct:
         specs += [
-            ((rows, num_heads, num_splits, head_dim), torch.float32),
-            ((rows, num_heads, num_splits), torch.float32),
+            ((num_rows, num_heads, num_splits, head_dim), torch.float32),
+            ((num_rows, num_heads, num_splits), torch.float32),
         ]
-    if workspace is not None:
-        scratch = workspace.get(*specs)
-    else:
-        scratch = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in specs]
-    picks, (part_out, part_lse) = scratch[0], (scratch[1:] if not direct else (out, out))
-    has_rows = split.rows is not None
-    q_rows = split.rows if has_rows else split.seq_lens  # placeholder when unused
-    topk_t = topk if topk is not None else split.seq_lens  # placeholder when unused
+    bufs = scratch(workspace, specs, q.device, rows.eager)
+    picks, (part_out, part_lse) = bufs[0], (bufs[1:] if not direct else (out, out))
+    has_seqs = rows.seqs is not None
+    seqs = rows.seqs if has_seqs else rows.seq_lens  # placeholder when unused
+    topk_t = topk if topk is not None else rows.seq_lens  # placeholder when unused
     # Entries and their table are addressed from the kv cache and the token
     # table (split.py's _key_rows says why): host ints from the tensors'
     # addresses, fixed for a captured graph as the tensors are.
@@ -273,24 +283,24 @@ def _decode_rows(
         st % 16 == 0 for st in strides
     )
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _sparse_split_kernel[(head_blocks, rows, num_splits)](
-        q, kv_cache, entry_offset, tables, table_delta, split.seq_lens, q_rows, topk_t, picks,
+    _sparse_split_kernel[(head_blocks, num_rows, num_splits)](
+        q, kv_cache, entry_offset, tables, table_delta, rows.seq_lens, seqs, topk_t, picks,
         sinks, out, part_out, part_lse, scale * LOG2E, num_splits, num_heads,
         0 if topk is None else topk.shape[1],
         q.stride(0), q.stride(1), *strides, tables.stride(0), entry_tables.stride(0),
         0 if topk is None else topk.stride(0), out.stride(0), out.stride(1),
         D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        WINDOW=window, RATIO=max(ratio, 1), MODE=mode, BLOCK_K=block_k, HAS_ROWS=has_rows,
+        WINDOW=window, RATIO=max(ratio, 1), MODE=mode, BLOCK_K=block_k, HAS_SEQS=has_seqs,
         DIRECT=direct, ALIGNED=aligned, LAZY_RESCALE=lazy, RESCALE_THRESHOLD=RESCALE_THRESHOLD,
         UPCAST=interpreting(), DOT_PRECISION=dot_precision(kv_cache.dtype),
         num_warps=num_warps,
         num_stages=tiles.get("num_stages") or cfg.num_stages,
     )  # fmt: skip
     if not direct:
-        _sparse_reduce_kernel[(rows, num_heads)](
-            out, part_out, part_lse, q_rows, sinks, num_splits, out.stride(0), out.stride(1),
+        _sparse_reduce_kernel[(num_rows, num_heads)](
+            out, part_out, part_lse, sinks, num_splits, out.stride(0), out.stride(1),
             D=head_dim, BLOCK_D=block_d,
             # Fixed, not next_power_of_2(num_splits): every distinct BLOCK_S
             # would be a new compile after startup.
-            BLOCK_S=MAX_SPLITS, CHUNK_S=_REDUCE_CHUNK, HAS_ROWS=has_rows, num_warps=4,
+            BLOCK_S=MAX_SPLITS, CHUNK_S=_REDUCE_CHUNK, num_warps=4,
         )  # fmt: skip
