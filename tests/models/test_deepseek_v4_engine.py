@@ -67,8 +67,9 @@ CONFIGS = {
     "block4_no_prefix_cache": {"block_size": 4, "enable_prefix_caching": False},
     "block32": {"block_size": 32},  # above both ratios: several entries per block
     "async": {"async_scheduling": True, "max_num_seqs": 3},
-    # The Triton op set (the interpreter on CPU): V4's ops are references in
-    # both sets; profile also runs every graph-shaped decode size.
+    # The Triton op set (the interpreter on CPU): V4's sparse attention,
+    # indexer, compressor and mHC kernels; profile also runs every
+    # graph-shaped decode size.
     "triton": {"attention_backend": "triton", "max_num_seqs": 4},
 }
 

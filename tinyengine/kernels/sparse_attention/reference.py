@@ -101,8 +101,7 @@ def attend_longer(
     topk_indices: torch.Tensor | None = None,
 ) -> None:
     """The rows of sequences `seqs` (each with a longer chunk; host lengths
-    from attn) into out [T, H, D], one sequence at a time. The Triton op
-    sends its longer chunks here too."""
+    from attn) into out [T, H, D], one sequence at a time."""
     block_size = kv_cache.shape[1]
     flat_kv = kv_cache.view(-1, kv_cache.shape[-1])
     flat_entries = None if entry_cache is None else entry_cache.view(-1, entry_cache.shape[-1])
