@@ -16,8 +16,8 @@ Owns the reading of a V4 config.json (HF's field names and defaults, and the
 legacy spellings HF folds in) and the mapping of checkpoint names, HF's or
 DeepSeek's release names (transformers' conversion table), to parameters.
 Multi-token-prediction weights (`mtp.*`) are ignored, as HF does. The V4
-ops are torch references (kernels/compressor, indexer, sparse_attention):
-eager steps loop over sequences, graph-shaped decode steps run device ops
+ops (kernels/compressor, indexer, sparse_attention, mhc; a torch reference
+and a Triton kernel each) take graph-shaped decode steps with device ops
 only, so decode is captured in CUDA graphs like every other model's.
 
 Must never read files, allocate the cache, or choose a backend.
@@ -377,4 +377,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return total
 
     def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
-        return []  # the reference MoE has no per-size kernels to warm up
+        # Not V3's list (one count per fused-MoE size class) yet: under the
+        # CPU interpreter those prefills cost minutes, so until warmup can
+        # tell the device, a larger V4 step may compile a MoE tile class late.
+        return []
