@@ -48,6 +48,7 @@ from tinyengine.bench import common
 from tinyengine.bench.common import BenchError, percentile
 from tinyengine.bench.prompts import TokenPool
 from tinyengine.bench.routing import distinct_experts, record_routing
+from tinyengine.bench.skip_prefill import assume_prefilled
 
 PLOT_BATCH_SIZES = [1, 8, 32, 64, 128, 256]
 
@@ -103,38 +104,6 @@ def decode_run(
     if finished != set(ids):
         raise BenchError(f"{len(ids - finished)} requests never finished")
     return steps, total
-
-
-def assume_prefilled(engine: Any, request_ids: list[str], chunk: int = 4096) -> None:
-    """Move waiting requests into the running batch with every prompt
-    position but the last counted as computed: their blocks are allocated
-    chunk by chunk through the block manager, as a chunked prefill would
-    (releasing sliding-group blocks on the way), and then the whole cache is
-    filled with random numbers. Bench only (--skip-prefill)."""
-    import torch
-
-    from tinyengine.scheduling.request import RequestStatus
-
-    scheduler = engine.scheduler
-    bm = scheduler.block_manager
-    for request_id in request_ids:
-        request = engine.states[request_id].request
-        scheduler.waiting.remove(request)
-        target = request.num_tokens - 1
-        while request.num_computed_tokens < target:
-            n = min(chunk, target - request.num_computed_tokens)
-            if not bm.allocate_slots(request, n):
-                raise BenchError("the KV cache cannot hold the batch; lower it or the context")
-            request.num_computed_tokens += n
-            bm.advance(request)
-        request.status = RequestStatus.RUNNING
-        scheduler.running.append(request)
-        scheduler.running_per_group[request.group] += 1
-    for layer in engine.runner.kv_caches:
-        for tensor in layer.values() if isinstance(layer, dict) else dict.fromkeys(layer):
-            tensor.normal_()
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def measure_engine(llm: Any, pool: TokenPool, rng: Any, batch: int, args) -> dict[str, Any]:
