@@ -10,13 +10,15 @@ engine pages them with two cache groups: the window's raw rows through the
 sliding group's table (older blocks at a null block), the entries through
 the full-history group's own table, block ids randomly permuted.
 
-Each line: the Triton op (kernels/sparse_attention/triton.py) and its peer,
-the torch reference (kernels/sparse_attention/reference.py), both timed as
-CUDA-graph replays (triton.testing.do_bench_cudagraph, median; L2 is not
+Each line: the op as the engine runs it (kernels/sparse_attention/triton.py:
+on Hopper the Gluon split kernel of kernels/sparse_attention/gluon.py), the
+same op with the Triton split kernel forced (gluon=False), and the torch
+reference (kernels/sparse_attention/reference.py), all timed as CUDA-graph
+replays (triton.testing.do_bench_cudagraph, median; L2 is not
 flushed between replays). keys = window + entries attended per row;
 FLOPs = 4 * H * D * keys per row (QK and PV); bytes = the key rows read
 (keys * D * 2 per row) plus q and out. The run starts with the measured
-bf16 MMA peak (torch.mm, 8192^3), and the Triton op's TFLOP/s is also given
+bf16 MMA peak (torch.mm, 8192^3), and the op's TFLOP/s is also given
 as a share of it. --sweep also times tile and split variants at B=64.
 """
 
@@ -117,22 +119,26 @@ def main() -> None:
     peak = mma_peak_tflops()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"bf16 MMA peak (torch.mm 8192^3): {peak:.0f} TFLOP/s   [{torch.cuda.get_device_name()}]")
-    print(f"{'case':<40} {'triton us':>9} {'TFLOP/s':>8} {'%peak':>6} {'TB/s':>6} {'splits':>6}"
-          f" | {'torch us':>9} {'TFLOP/s':>8} {'TB/s':>6}")  # fmt: skip
+    print(f"{'case':<40} {'op us':>7} {'TFLOP/s':>8} {'%peak':>6} {'TB/s':>6} {'splits':>6}"
+          f" | {'triton us':>9} {'%peak':>6} | {'torch us':>9} {'TFLOP/s':>8}")  # fmt: skip
     for csa in (True, False):
         for ctx in (4096, 65536):
-            for batch in (1, 64):
+            for batch in (1, 64, 256):
                 case = Case(batch, ctx, csa)
-                ok = (case.run_triton().float() - case.run_reference().float()).abs().max()
-                assert ok < 0.05, f"{case.name}: triton and torch differ by {ok}"
+                expected = case.run_reference().float()
+                for kw in ({}, {"gluon": False}):
+                    err = (case.run_triton(**kw).float() - expected).abs().max()
+                    assert err < 0.05, f"{case.name}: the op and torch differ by {err}"
                 ms = case.time(case.run_triton)
                 tf, tb = case.figures(ms)
+                ms_tri = case.time(lambda case=case: case.run_triton(gluon=False))
+                tf_tri, _ = case.figures(ms_tri)
                 splits = tri.sparse_config(batch, H, D, case.keys, sms, 2, not csa).num_splits
                 ms_ref = case.time(case.run_reference)
-                tf_ref, tb_ref = case.figures(ms_ref)
-                print(f"{case.name:<40} {ms * 1e3:9.1f} {tf:8.1f} {100 * tf / peak:5.1f}% "
-                      f"{tb:6.2f} {splits:>6} | {ms_ref * 1e3:9.1f} {tf_ref:8.1f} "
-                      f"{tb_ref:6.2f}")  # fmt: skip
+                tf_ref, _ = case.figures(ms_ref)
+                print(f"{case.name:<40} {ms * 1e3:7.1f} {tf:8.1f} {100 * tf / peak:5.1f}% "
+                      f"{tb:6.2f} {splits:>6} | {ms_tri * 1e3:9.1f} {100 * tf_tri / peak:5.1f}% | "
+                      f"{ms_ref * 1e3:9.1f} {tf_ref:8.1f}")  # fmt: skip
                 del case
     compiled_kernels()
     if args.sweep:

@@ -376,3 +376,28 @@ def test_gpu_cuda_graph_replay(csa: bool) -> None:
     b.q.copy_(torch.randn_like(b.q))
     graph.replay()
     assert torch.equal(captured, tri.sparse_attention(*args, **b.kwargs(), workspace=ws))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("csa", [False, True])
+def test_gpu_gluon_kernel(csa: bool) -> None:
+    # On a Hopper GPU the V4-Flash tile runs the Gluon split kernel
+    # (kernels/sparse_attention/gluon.py), which takes a CSA row's picks
+    # where they are instead of compacting them: dead picks scattered, a
+    # whole dead tile, splits with no live key, padding rows, prefill rows.
+    import tinyengine.kernels.sparse_attention.gluon as sparse_gluon
+
+    seqs = [(5, 1), (1000, 1), (3000, 1), (4097, 1), (700, 200), (129, 1), (2500, 1)]
+    b = V4Batch(seqs, ratio=4 if csa else 128, topk=512 if csa else None, csa=csa, pad_rows=3,
+                **FLASH, seed=7)  # fmt: skip
+    if csa:
+        b.topk[2, 64:192] = -1  # two whole tiles of dead picks mid-row
+        b.topk[3, 256:] = -1  # the row's last splits see only dead keys
+    aligned = b.kv_cache.stride(1) % 16 == 0
+    assert sparse_gluon.supports(b.q, b.kv_cache, b.entry_cache, 64, 64, aligned)
+    expected = b.reference()
+    for splits in (1, 2, 5, 10):
+        out = b.run(num_splits=splits)
+        b.check(out, expected)
+        triton_out = b.run(num_splits=splits, gluon=False)
+        torch.testing.assert_close(out.float(), triton_out.float(), atol=2e-2, rtol=2e-2)

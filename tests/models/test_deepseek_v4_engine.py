@@ -137,3 +137,16 @@ def test_the_sliding_group_holds_only_the_window(model_and_reference):
     assert max(sliding_used[2:-1]) <= 3  # decode: the kept span's blocks and the next
     assert max(sliding_used) <= 3 + 32 // 4  # a chunk's blocks before it is released
     _assert_idle(llm)
+
+
+def test_warmup_names_the_moe_size_classes(model_and_reference):
+    # V4's MoE picks its fused-MoE tiles by token count as V3's does, so the
+    # model names one count per size class for the GPU warmup to run.
+    from tinyengine.kernels.moe.tiles import moe_token_classes
+
+    llm = LLM(model_and_reference[0], max_model_len=128, print_startup_report=False)
+    model = llm.engine.runner.model
+    moe = model.args.moe
+    counts = model.warmup_token_counts(4096)
+    assert counts == moe_token_classes(4096, moe.top_k, moe.num_experts)
+    assert len(counts) > 1 and counts[0] == 1 and counts[-1] <= 4096

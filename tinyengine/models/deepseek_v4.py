@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyengine.kernels.moe.tiles import moe_token_classes
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, HybridCacheSpec
 from tinyengine.models.deepseek_v4_attention import (
@@ -377,7 +378,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         return total
 
     def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
-        # Not V3's list (one count per fused-MoE size class) yet: under the
-        # CPU interpreter those prefills cost minutes, so until warmup can
-        # tell the device, a larger V4 step may compile a MoE tile class late.
-        return []
+        """Token counts whose kernel tile classes warmup must run: the first
+        count of each fused-MoE size class (kernels/moe/tiles.py), as for
+        DeepSeek-V3 (every V4 layer has the same routing shape)."""
+        moe = self.args.moe
+        return moe_token_classes(max_num_batched_tokens, moe.top_k, moe.num_experts)

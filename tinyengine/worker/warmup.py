@@ -102,8 +102,12 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
             q_len *= 2
         # Kernels that pick tiles by the step's token count (the fused MoE's
         # size classes) name the counts to run; a class may start beyond
-        # max_model_len, where only multi-sequence steps reach.
-        for tokens in runner.model.warmup_token_counts(cfg.max_num_batched_tokens):
+        # max_model_len, where only multi-sequence steps reach. Only on the
+        # GPU: under the CPU interpreter nothing compiles, a class costs a
+        # whole interpreted prefill, and profile's worst prefill has sized
+        # the arena already.
+        counts = runner.model.warmup_token_counts(cfg.max_num_batched_tokens)
+        for tokens in counts if runner.device.type == "cuda" else []:
             seqs = -(-tokens // max(longest, 1))
             if seqs <= cfg.max_num_seqs:
                 runner.dummy_forward([tokens // seqs + (i < tokens % seqs) for i in range(seqs)])

@@ -40,44 +40,38 @@ kernel, and GPU tests compare this one with the reference and with it.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 import triton
 from triton.compiler.errors import CompilationError
 
-logger = logging.getLogger(__name__)
+from tinyengine.kernels.gluon_support import HAVE_GLUON, is_hopper
 
-try:  # Gluon ships with Triton >= 3.4 (experimental); without it, Triton only
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if HAVE_GLUON:
+    from tinyengine.kernels.gluon_split import (
+        softmax_pv,
+        split_range,
+        write_empty_split,
+        write_partial,
+    )
+    from tinyengine.kernels.gluon_support import (
+        TensorDescriptor,
+        cta_barrier,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
-        tma,
+        tma_load,
         warpgroup_mma,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # Renamed after Triton 3.6 (same arguments): the TMA load
-    # (async_copy_global_to_shared -> async_load) and the CTA barrier
-    # (thread_barrier -> barrier).
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
+logger = logging.getLogger(__name__)
 
 BLOCK_H = 64  # heads per program: the M of one wgmma
 BLOCK_N = 64  # latent rows per tile = one page of a 64-token cache block
 LATENT, ROPE = 512, 64  # the widths whose shared-memory budget was sized
 NUM_STAGES = 2  # ring slots: two [64, 576] tiles + the query fill the SM
-
-
-@functools.cache
-def _is_hopper(device_index: int | None) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def supports(
@@ -90,7 +84,7 @@ def supports(
         return False
     num_heads, latent_dim = q_latent.shape[1], q_latent.shape[2]
     return (
-        _is_hopper(q_latent.device.index)
+        is_hopper(q_latent.device.index)
         and latent_cache.dtype in (torch.bfloat16, torch.float16)
         and q_latent.dtype == latent_cache.dtype
         and (latent_dim, latent_cache.shape[3] - latent_dim) == (LATENT, ROPE)
@@ -109,8 +103,8 @@ if HAVE_GLUON:
         slot, completing on `bar`; nothing at all when `pred` is False."""
         row = gl.load(bt_row + n // BLOCK_SIZE, mask=pred, other=0) * BLOCK_SIZE + n % BLOCK_SIZE
         mbarrier.expect(bar, lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
-        _tma_load(lat_desc, [row, 0], bar, lat_buf, pred=pred)
-        _tma_load(rope_desc, [row, 0], bar, rope_buf, pred=pred)
+        tma_load(lat_desc, [row, 0], bar, lat_buf, pred=pred)
+        tma_load(rope_desc, [row, 0], bar, rope_buf, pred=pred)
 
     @gluon.jit(do_not_specialize=["num_splits"])  # one compile for any split count
     def _mla_split_gluon(
@@ -140,18 +134,12 @@ if HAVE_GLUON:
         seq = gl.program_id(1)
         split = gl.program_id(2)
         seq_len = gl.load(seq_lens_ptr + seq)
-        # The same split boundaries as the Triton kernel (whole tiles).
-        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * chunk
-        end = gl.minimum(start + chunk, seq_len)
+        start, end = split_range(seq_len, num_splits, split, BLOCK_N)
         heads_o = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
         part_idx = (seq * num_heads + heads_o).to(gl.int64) * num_splits + split
         if not DIRECT:
             if start >= end:
-                minus_inf = gl.full(
-                    [BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, o_layout)
-                )
-                gl.store(part_lse_ptr + part_idx, minus_inf)
+                write_empty_split(part_lse_ptr, part_idx)
                 return
 
         # The query block into shared memory: the A operand of the QK wgmma.
@@ -188,7 +176,7 @@ if HAVE_GLUON:
         for t in range(num_tiles):
             # Every warp is done with tile t - 1 (its ring slot, p_smem), so
             # the slot takes tile t + NUM_STAGES - 1 now.
-            _cta_barrier()
+            cta_barrier()
             ahead = t + NUM_STAGES - 1
             ring = ahead % NUM_STAGES
             _issue_tile(
@@ -204,37 +192,23 @@ if HAVE_GLUON:
                 tile = lat.load(rows_layout)
                 lat.store(gl.where(live[:, None], tile, gl.zeros_like(tile)))
                 fence_async_shared()
-                _cta_barrier()
+                cta_barrier()
             s = warpgroup_mma(q_smem, lat.permute((1, 0)), s_zero, use_acc=False)
             s = warpgroup_mma(qr_smem, rope_ring.index(slot).permute((1, 0)), s)
             s = gl.where((n0 + cols < end)[None, :], s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            # Each warpgroup holds half of P's columns; the PV wgmma of each
-            # needs all of them: through shared memory, fenced for the
-            # tensor cores and barriered for the other warpgroup.
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(p_smem, lat, acc)
+            acc, m_i, l_i = softmax_pv(s, m_i, l_i, acc, p_smem, lat)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        # l_i == 0 only for an empty context (seq_len 0, a padding row): output 0.
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        cols_o = gl.arange(0, LATENT, layout=gl.SliceLayout(0, o_layout))
         if DIRECT:
+            # l_i == 0 only for an empty context (seq_len 0, a padding row): output 0.
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+            cols_o = gl.arange(0, LATENT, layout=gl.SliceLayout(0, o_layout))
             o_rows = out_ptr + seq.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh
             gl.store(o_rows + cols_o[None, :], out.to(out_ptr.dtype.element_ty))
         else:
-            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-            gl.store(part_lse_ptr + part_idx, m_o + gl.log2(l_o))
-            gl.store(part_out_ptr + (part_idx * LATENT)[:, None] + cols_o[None, :], out)
+            write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, LATENT)
 
 
 class GluonUnavailable(RuntimeError):

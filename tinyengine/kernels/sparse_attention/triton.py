@@ -75,9 +75,11 @@ tile's block-id loads, and waits for it at the start of t + 1, so loads
 hardly overlap the MMAs; one 196 KB, 255-register program per SM leaves no
 other program to hide them, and the QK product runs on both warpgroups (as
 in MLA decode). Smaller tiles (32 heads or 32 keys, 3 stages, two programs
-per SM) measured no better. What would: an explicit ring (Gluon, as
-kernels/mla/gluon.py) that issues the next tiles' gathers before the
-current tile's QK product and splits the QK columns between warpgroups.
+per SM) measured no better. So on Hopper, for V4's own tile (64 heads x 64
+keys of D = 512, 16-bit), the split kernel is the Gluon one of
+kernels/sparse_attention/gluon.py (1.6x faster at B=64), with the same
+grid, scratch and reduce; this kernel runs everything else (other widths,
+fp32, the interpreter) and is the one the CPU tests check.
 
 Numerics: softmax in fp32 (log2 domain, scale * log2(e) folded into one
 multiplier); dots take the storage dtype (bf16 tensor cores; fp32 tiles in
@@ -92,6 +94,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
+import tinyengine.kernels.sparse_attention.gluon as sparse_gluon
 from tinyengine.kernels.compressor.reference import check_ratio
 from tinyengine.kernels.compressor.reference import entry_tables as entry_tables_of
 from tinyengine.kernels.launch import LOG2E, dot_precision, interpreting, num_sms
@@ -283,19 +286,33 @@ def _attend_rows(
         st % 16 == 0 for st in strides
     )
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _sparse_split_kernel[(head_blocks, num_rows, num_splits)](
+    grid = (head_blocks, num_rows, num_splits)
+    args = (
         q, kv_cache, entry_offset, tables, table_delta, rows.seq_lens, seqs, topk_t, picks,
         sinks, out, part_out, part_lse, scale * LOG2E, num_splits, num_heads,
         0 if topk is None else topk.shape[1],
         q.stride(0), q.stride(1), *strides, tables.stride(0), entry_tables.stride(0),
         0 if topk is None else topk.stride(0), out.stride(0), out.stride(1),
-        D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        WINDOW=window, RATIO=max(ratio, 1), MODE=mode, BLOCK_K=block_k, HAS_SEQS=has_seqs,
-        DIRECT=direct, ALIGNED=aligned, LAZY_RESCALE=lazy, RESCALE_THRESHOLD=RESCALE_THRESHOLD,
-        UPCAST=interpreting(), DOT_PRECISION=dot_precision(kv_cache.dtype),
-        num_warps=num_warps,
-        num_stages=tiles.get("num_stages") or cfg.num_stages,
     )  # fmt: skip
+    common = dict(
+        D=head_dim, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size, WINDOW=window,
+        RATIO=max(ratio, 1), MODE=mode, HAS_SEQS=has_seqs, DIRECT=direct,
+    )  # fmt: skip
+    use_gluon = tiles.get("gluon") is not False and sparse_gluon.supports(
+        q, kv_cache, entry_cache, block_h, block_n, aligned
+    )
+    if use_gluon:
+        try:
+            sparse_gluon.launch_split(grid, args, common)
+        except sparse_gluon.GluonUnavailable:
+            use_gluon = False
+    if not use_gluon:
+        _sparse_split_kernel[grid](
+            *args, **common, BLOCK_D=block_d, BLOCK_K=block_k, ALIGNED=aligned,
+            LAZY_RESCALE=lazy, RESCALE_THRESHOLD=RESCALE_THRESHOLD, UPCAST=interpreting(),
+            DOT_PRECISION=dot_precision(kv_cache.dtype), num_warps=num_warps,
+            num_stages=tiles.get("num_stages") or cfg.num_stages,
+        )  # fmt: skip
     if not direct:
         _sparse_reduce_kernel[(num_rows, num_heads)](
             out, part_out, part_lse, sinks, num_splits, out.stride(0), out.stride(1),

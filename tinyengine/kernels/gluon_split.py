@@ -1,0 +1,73 @@
+"""The pieces the two Gluon split-KV decode kernels share
+(kernels/mla/gluon.py, kernels/sparse_attention/gluon.py): where a split's
+whole tiles start and end, what an empty split writes, one online-softmax
+step with the weights passed between warpgroups through shared memory, and
+a split's normalised partial.
+
+Both kernels lay out the scores S [64 heads, BLOCK_N keys] with the two
+warpgroups splitting the keys, and the output O [64 heads, D] with each
+warpgroup owning half the columns (kernels/mla/gluon.py says why); these
+functions take those layouts from their arguments.
+"""
+
+from __future__ import annotations
+
+from tinyengine.kernels.gluon_support import HAVE_GLUON
+
+if HAVE_GLUON:
+    from tinyengine.kernels.gluon_support import (
+        cta_barrier,
+        fence_async_shared,
+        gl,
+        gluon,
+        warpgroup_mma,
+    )
+
+    @gluon.jit
+    def split_range(total, num_splits, split, BLOCK_N: gl.constexpr):
+        """[start, end) of split `split` of a key list of `total`: whole
+        BLOCK_N tiles, the boundaries of the Triton kernels."""
+        chunk = gl.cdiv(gl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        return start, gl.minimum(start + chunk, total)
+
+    @gluon.jit
+    def write_empty_split(part_lse_ptr, part_idx):
+        """A split with no key: lse = -inf, so the reduce weighs it 0 and never
+        loads its partial."""
+        gl.store(part_lse_ptr + part_idx, gl.full(part_idx.shape, float("-inf"), gl.float32,
+                                                  part_idx.type.layout))  # fmt: skip
+
+    @gluon.jit
+    def softmax_pv(s, m_i, l_i, acc, p_smem, v):
+        """One online-softmax step (log2 units; dead keys already -inf):
+        acc = acc * 2^(m - m_new) + 2^(s - m_new) @ v. Each warpgroup holds
+        half of P's columns and its PV wgmma needs all of them: through
+        shared memory, fenced for the tensor cores and barriered for the
+        other warpgroup. A row whose keys so far are all dead keeps m = -inf
+        and uses 0 in its place (its weights are 0, not NaN)."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        cta_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        acc = warpgroup_mma(p_smem, v, acc)
+        return acc, m_new, l_i
+
+    @gluon.jit
+    def write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, D: gl.constexpr):
+        """A split's normalised partial and its log2-sum-exp (-inf when it
+        saw no live key), at part_out[part_idx, :] and part_lse[part_idx]."""
+        o_layout: gl.constexpr = acc.type.layout
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        alive = l_o > 0.0
+        lse = gl.where(alive, m_o + gl.log2(gl.where(alive, l_o, 1.0)), float("-inf"))
+        gl.store(part_lse_ptr + part_idx, lse)
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        out = acc / gl.where(alive, l_o, 1.0)[:, None]
+        gl.store(part_out_ptr + (part_idx * D)[:, None] + cols[None, :], out)

@@ -1,0 +1,49 @@
+"""What the Gluon kernels (kernels/mla/gluon.py, kernels/sparse_attention/gluon.py)
+import from Triton's experimental Gluon dialect, under one name whichever
+Triton is installed, and when they may run at all.
+
+Gluon ships with Triton >= 3.4 and is experimental: a few names moved
+between the releases these kernels were written against (3.6 and 3.9), and
+without Gluon (`HAVE_GLUON` False) every caller runs its Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Renamed after Triton 3.6 (same arguments): the TMA load
+    # (async_copy_global_to_shared -> async_load), the cp.async gather
+    # (the same rename) and the CTA barrier (thread_barrier -> barrier).
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    cp_async_load = (
+        getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    )
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+__all__ = [
+    "HAVE_GLUON", "TensorDescriptor", "async_copy", "cp_async_load", "cta_barrier",
+    "fence_async_shared", "gl", "gluon", "is_hopper", "mbarrier", "tma_load", "warpgroup_mma",
+]  # fmt: skip
+
+
+@functools.cache
+def is_hopper(device_index: int | None) -> bool:
+    """sm_90: the only architecture the Gluon kernels were written for."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
