@@ -77,6 +77,11 @@ class EngineConfig:
     # GPU's forward (vLLM's async scheduling). Off: each step waits for its own
     # tokens before returning (simpler to follow; same tokens either way).
     async_scheduling: bool = True
+    # Batch-invariant mode (docs/batch_invariance.md): a request's tokens and
+    # logprobs are bitwise the same whatever else is in the batch, however
+    # its prompt is chunked, cached or recomputed. So far on the CPU, with the
+    # torch op set, for the Llama/Qwen models (check_batch_invariant).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.hf_overrides is None:
@@ -141,7 +146,7 @@ class EngineConfig:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
         for name in ("enable_prefix_caching", "enforce_eager", "print_startup_report",
                      "profile_steps", "async_scheduling",
-                     "allow_long_max_model_len"):  # fmt: skip
+                     "allow_long_max_model_len", "batch_invariant"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):  # "false" would be truthy
                 raise bad(name, "must be True or False")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
@@ -192,6 +197,26 @@ class EngineConfig:
 
                 self.block_size = getattr(get_model_class(hf_config), "cuda_block_size", 16)
         return self.block_size
+
+    def check_batch_invariant(self, hf_config: dict[str, Any], device: str) -> None:
+        """Refuse batch_invariant=True where the mode cannot keep its promise
+        yet, naming what is not covered (instead of a silent weaker mode)."""
+        if not self.batch_invariant:
+            return
+        from tinyengine.models.registry import get_model_class
+
+        model_class = get_model_class(hf_config)
+        why = None
+        if device != "cpu":
+            why = f"it runs on the CPU so far, not on {device!r} (pass device='cpu')"
+        elif self.resolved_attention_backend(device) != "torch":
+            why = "it runs with the torch op set so far (attention_backend='torch')"
+        elif self.graph_backend == "recording":
+            why = "its attention needs eager steps (graph_backend='auto')"
+        elif not getattr(model_class, "batch_invariant_ok", False):
+            why = f"it covers the Llama/Qwen models so far, not {model_class.__name__}"
+        if why:
+            raise ValueError(f"EngineConfig.batch_invariant=True is not available here: {why}")
 
     def resolved_attention_backend(self, device: str) -> str:
         if self.attention_backend != "auto":

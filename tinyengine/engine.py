@@ -389,4 +389,5 @@ class LLMEngine:
             "workspace_bytes": self.runner.workspace.size,
             "workspace_growths": self.runner.workspace.stats.num_growths,
             "captured_graph_sizes": self.startup.report.captured_sizes,
+            "batch_invariant": self.config.batch_invariant,
         }

@@ -157,6 +157,7 @@ def test_metrics_render():
             "prefix_cache_hit_tokens": 16,
             "prefix_cache_query_tokens": 64,
             "num_preemptions": 3,
+            "batch_invariant": True,
         },
         {"load": 1.5},
         True,
@@ -168,6 +169,7 @@ def test_metrics_render():
     assert "tinyengine_kv_blocks_used 3" in lines
     assert "tinyengine_prefix_cache_hit_rate 0.25" in lines
     assert "tinyengine_num_preemptions_total 3" in lines
+    assert "tinyengine_batch_invariant 1" in lines
     assert 'tinyengine_time_per_output_token_seconds_bucket{le="0.1"} 1' in lines
     assert 'tinyengine_startup_stage_seconds{stage="load"} 1.5' in lines
     assert 'tinyengine_model_info{model="we\\"ird"} 1' in lines

@@ -210,6 +210,9 @@ class LlamaModel(DecoderStack):
 
 
 class LlamaForCausalLM(CausalLM):
+    # Every op with a batch-dependent result goes through the op set, which
+    # EngineConfig.batch_invariant swaps (kernels/batch_invariant.py).
+    batch_invariant_ok = True
     # Checkpoint module name -> (fused module name, shard id in it).
     packed_modules_mapping: dict[str, tuple[str, Any]] = {
         "q_proj": ("qkv_proj", "q"),

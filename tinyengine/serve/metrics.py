@@ -144,6 +144,11 @@ class ServerMetrics:
                 hit_rate,
             ),
             ("ready", "1 when the startup state machine is READY.", int(ready)),
+            (
+                "batch_invariant",
+                "1 when batch-invariant mode is on (EngineConfig.batch_invariant).",
+                int(bool(s.get("batch_invariant", False))),
+            ),
         ]
         for name, help_text, value in gauges:
             out.metric(name, "gauge", help_text, [({}, value)])

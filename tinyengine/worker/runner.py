@@ -22,6 +22,7 @@ import torch
 
 from tinyengine.config import EngineConfig
 from tinyengine.kernels import choose_ops
+from tinyengine.kernels.batch_invariant import batch_invariant_ops
 from tinyengine.kernels.workspace import Workspace
 from tinyengine.models.context import AttentionMetadata, ForwardContext
 from tinyengine.models.loader import load_model
@@ -41,12 +42,7 @@ from tinyengine.worker.prompt_logprobs import prompt_logprobs
 from tinyengine.worker.request_sampling import RequestSamplingState
 from tinyengine.worker.sample_output import StepLaunch
 from tinyengine.worker.sampler import Sampler
-
-# One step's rows: input ids, positions, slots and seq_lens (lists or int
-# arrays), and the block table's rows [rows, width] as the HostBlockTable
-# slots of the scheduled requests with the widest row's length.
-StepRows = tuple[list[int], Any, Any, Any, tuple[np.ndarray, int]]
-NO_ROWS: StepRows = ([], [], [], [], (np.empty(0, dtype=np.int64), 1))
+from tinyengine.worker.step_rows import NO_ROWS, StepRows, step_rows
 
 
 class ModelRunner:
@@ -66,6 +62,8 @@ class ModelRunner:
         # Every op the model and the sampler call, chosen once (kernels/opset.py).
         backend = config.resolved_attention_backend(self.device.type)
         self.ops = choose_ops(backend, self.device.type)
+        if config.batch_invariant:
+            self.ops = batch_invariant_ops(self.ops)
         self.sampler = Sampler(self.device, seed=config.seed, draw=self.ops.sample_draw)
         self.request_sampling = RequestSamplingState(self.sampler)
         self.buffers = InputBuffers.allocate(
@@ -138,46 +136,10 @@ class ModelRunner:
     # --- one step ---
 
     def _rows(self, plan: SchedulerOutput) -> StepRows:
-        """The step's rows. A position whose token is still in flight (sampled
-        by the step launched last, not yet on the host) gets a 0 here;
-        `_fill_inflight` puts the real id in on the device."""
-        bs = self.block_size
-        scheduled = plan.scheduled
-        table_rows = self.block_table.slots([s.request for s in scheduled])
-        input_ids: list[int] = []
-        self._inflight_rows = []
-        if all(s.num_new_tokens == 1 for s in scheduled):
-            # Decode: one position per row, so positions, slots and lengths are
-            # array maths over the host block table (no per-row Python lists:
-            # this runs for every row of every step).
-            for i, sched in enumerate(scheduled):
-                tokens = sched.request.all_token_ids
-                if sched.start < len(tokens):
-                    input_ids.append(tokens[sched.start])
-                else:
-                    self._inflight_rows.append((i, sched.request.request_id))
-                    input_ids.append(0)
-            positions = np.fromiter((s.start for s in scheduled), np.int64, len(scheduled))
-            blocks = self.block_table.table[table_rows[0], positions // bs]
-            slots = blocks.astype(np.int64) * bs + positions % bs
-            return input_ids, positions, slots, positions + 1, table_rows
-
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        for sched in scheduled:
-            request, start, end = sched.request, sched.start, sched.start + sched.num_new_tokens
-            known = request.all_token_ids[start:end]
-            if len(known) < end - start:  # only the last position can be in flight
-                assert len(known) == end - start - 1, f"{request} has >1 token in flight"
-                self._inflight_rows.append((len(input_ids) + len(known), request.request_id))
-                known = [*known, 0]
-            input_ids.extend(known)
-            positions.extend(range(start, end))
-            block_ids = self.block_table.token_block_ids(request)
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-        return input_ids, positions, slots, seq_lens, table_rows
+        """The step's rows (worker/step_rows.py); remembers which rows wait
+        for a token still in flight, for `_fill_inflight`."""
+        rows, self._inflight_rows = step_rows(plan, self.block_table, self.block_size)
+        return rows
 
     def _fill_inflight(self) -> None:
         """input_ids[row] = the id the last launched step sampled for that

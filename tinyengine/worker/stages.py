@@ -55,6 +55,7 @@ class StartupStages:
         device = config.resolved_device()
         config.resolve_limits(device)
         config.resolve_block_size(hf_config, device)
+        config.check_batch_invariant(hf_config, device)
         dtype = config.resolved_dtype(hf_config, device)
         config.resolve_max_model_len(hf_config)
         runner = ModelRunner(config, hf_config, device, dtype)

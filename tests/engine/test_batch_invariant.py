@@ -1,0 +1,124 @@
+"""Batch-invariant mode (EngineConfig.batch_invariant, kernels/batch_invariant.py):
+a needle request's tokens and per-step logprobs, run alone, are bitwise
+equal (==, not close) to the same request inside batches of other
+requests, wherever it sits in the batch, with its prompt chunked at odd
+boundaries, after a prefix-cache hit, after a preemption and recompute,
+with and without async scheduling, greedy and seeded sampling. The same
+comparison with the mode off differs (so the test can fail), and the mode
+still matches HF's greedy tokens in fp32. CPU, tiny random Llama and Qwen3."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tests.hf_models import assert_greedy_matches, hf_greedy, make_tiny_hf_model
+from tinyengine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True,
+                        logprobs=5)  # fmt: skip
+ENGINE = dict(max_model_len=512, print_startup_report=False, batch_invariant=True)
+
+_rng = random.Random(0)
+NEEDLE = [_rng.randrange(3, 500) for _ in range(150)]
+
+
+def _others(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 250))] for _ in range(n)]
+
+
+def _needle(llm: LLM, others: list[list[int]], params: SamplingParams, seed: int = 0) -> tuple:
+    """The needle's (token ids, per-step logprobs) run among `others`, at a
+    random place in the batch; the others get their own random params."""
+    rng = random.Random(seed)
+    at = rng.randrange(len(others) + 1)
+    prompts = others[:at] + [NEEDLE] + others[at:]
+    rest = [SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 20),
+                           ignore_eos=True) for _ in others]  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], rest[:at] + [params] + rest[at:],
+        use_tqdm=False,
+    )  # fmt: skip
+    out = outs[at].outputs[0]
+    return out.token_ids, [[(t, lp.logprob) for t, lp in d.items()] for d in out.logprobs]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tmp_path_factory):
+    """(model folder, the needle's greedy and seeded runs alone)."""
+    path = str(make_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param)))
+    llm = LLM(path, **ENGINE)
+    alone = {p.seed: _needle(llm, [], p) for p in (GREEDY, SEEDED)}
+    assert llm.stats()["batch_invariant"] is True
+    return path, alone
+
+
+CASES = {
+    "batch_of_8": ({}, 8),
+    "batch_of_40": ({"max_num_seqs": 64}, 40),
+    "chunked_unaligned": ({"max_num_batched_tokens": 37}, 8),
+    "preempted": ({"num_kv_blocks": 40, "block_size": 8, "max_num_seqs": 12}, 12),
+    "sync_scheduling": ({"async_scheduling": False}, 8),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_needle_is_bitwise_the_same_in_any_batch(model, case):
+    path, alone = model
+    config, num_others = CASES[case]
+    llm = LLM(path, **{**ENGINE, **config})
+    for seed, params in enumerate((GREEDY, SEEDED)):
+        got = _needle(llm, _others(num_others, seed), params, seed=seed)
+        assert got == alone[params.seed], f"{case}: {'seeded' if seed else 'greedy'} run differs"
+    if case == "preempted":
+        assert llm.stats()["num_preemptions"] > 0  # the case means something
+
+
+def test_a_prefix_hit_changes_nothing(model):
+    path, alone = model
+    llm = LLM(path, **ENGINE)
+    llm.generate([{"prompt_token_ids": NEEDLE[:100]}], SamplingParams(max_tokens=1),
+                 use_tqdm=False)  # fmt: skip
+    got = _needle(llm, _others(8, 3), GREEDY, seed=3)
+    assert llm.stats()["prefix_cache_hit_tokens"] >= 96  # six 16-token blocks were hits
+    assert got == alone[GREEDY.seed]
+
+
+def test_with_the_mode_off_the_batch_shows(model):
+    path, _ = model
+    llm = LLM(path, **{**ENGINE, "batch_invariant": False})
+    assert llm.stats()["batch_invariant"] is False
+    alone = _needle(llm, [], GREEDY)
+    assert _needle(llm, _others(8, 0), GREEDY) != alone
+
+
+def test_the_mode_still_matches_hf(model):
+    path, _ = model
+    prompts = [NEEDLE, NEEDLE[:17], _others(1, 5)[0]]
+    tokens, logits = hf_greedy(path, prompts, 8)
+    logprobs = [[step.log_softmax(-1) for step in seq] for seq in logits]
+    llm = LLM(path, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_greedy_matches(outs, tokens, logprobs)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "config", "message"),
+    [
+        ("DeepseekV3ForCausalLM", {}, "Llama/Qwen models so far, not DeepseekV3ForCausalLM"),
+        ("LlamaForCausalLM", {"attention_backend": "triton"}, "torch op set"),
+        ("LlamaForCausalLM", {"graph_backend": "recording"}, "eager steps"),
+    ],
+)
+def test_where_the_mode_is_not_built_yet_it_says_so(tmp_path, architecture, config, message):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": [architecture], "vocab_size": 100})
+    )
+    with pytest.raises(ValueError, match="batch_invariant=True is not available here") as err:
+        LLM(str(tmp_path), **{**ENGINE, **config})
+    assert message in str(err.value)
