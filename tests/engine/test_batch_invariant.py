@@ -5,7 +5,8 @@ requests, wherever it sits in the batch, with its prompt chunked at odd
 boundaries, after a prefix-cache hit, after a preemption and recompute,
 with and without async scheduling, greedy and seeded sampling. The same
 comparison with the mode off differs (so the test can fail), and the mode
-still matches HF's greedy tokens in fp32. CPU, tiny random Llama and Qwen3."""
+still matches HF's greedy tokens in fp32. CPU, tiny random Llama, Qwen3,
+DeepSeek-V3 and DeepSeek-V2-Lite (MLA, MoE)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import random
 
 import pytest
 
-from tests.hf_models import assert_greedy_matches, hf_greedy, make_tiny_hf_model
+from tests import hf_deepseek, hf_models
+from tests.hf_models import assert_greedy_matches
 from tinyengine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
@@ -47,10 +49,26 @@ def _needle(llm: LLM, others: list[list[int]], params: SamplingParams, seed: int
     return out.token_ids, [[(t, lp.logprob) for t, lp in d.items()] for d in out.logprobs]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# name -> (the module whose builder and HF reference it uses, its variant)
+MODELS = {
+    "llama": (hf_models, "llama"),
+    "qwen3": (hf_models, "qwen3"),
+    "deepseek-v3": (hf_deepseek, "v3"),  # MLA, sigmoid routing in groups
+    "deepseek-v2-lite": (hf_deepseek, "v2-lite"),  # no q LoRA, softmax greedy routing
+}
+
+
+def _hf_greedy(path: str, prompts: list[list[int]], n: int) -> tuple:
+    module = hf_deepseek if "deepseek" in path else hf_models
+    return module.hf_greedy(path, prompts, n)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
 def model(request, tmp_path_factory):
     """(model folder, the needle's greedy and seeded runs alone)."""
-    path = str(make_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param)))
+    module, variant = MODELS[request.param]
+    build = module.make_tiny_deepseek if module is hf_deepseek else module.make_tiny_hf_model
+    path = str(build(variant, tmp_path_factory.mktemp(request.param)))
     llm = LLM(path, **ENGINE)
     alone = {p.seed: _needle(llm, [], p) for p in (GREEDY, SEEDED)}
     assert llm.stats()["batch_invariant"] is True
@@ -99,7 +117,7 @@ def test_with_the_mode_off_the_batch_shows(model):
 def test_the_mode_still_matches_hf(model):
     path, _ = model
     prompts = [NEEDLE, NEEDLE[:17], _others(1, 5)[0]]
-    tokens, logits = hf_greedy(path, prompts, 8)
+    tokens, logits = _hf_greedy(path, prompts, 8)
     logprobs = [[step.log_softmax(-1) for step in seq] for seq in logits]
     llm = LLM(path, **ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
@@ -110,7 +128,7 @@ def test_the_mode_still_matches_hf(model):
 @pytest.mark.parametrize(
     ("architecture", "config", "message"),
     [
-        ("DeepseekV3ForCausalLM", {}, "Llama/Qwen models so far, not DeepseekV3ForCausalLM"),
+        ("DeepseekV4ForCausalLM", {}, "DeepSeek-V2/V3 so far, not DeepseekV4ForCausalLM"),
         ("LlamaForCausalLM", {"attention_backend": "triton"}, "torch op set"),
         ("LlamaForCausalLM", {"graph_backend": "recording"}, "eager steps"),
     ],

@@ -182,10 +182,14 @@ def test_op_sets_hold_their_own_implementations():
     for the ops whose kernels only pay off on a GPU."""
     from tinyengine.kernels import OpSet, torch_ops, triton_ops
 
-    fields = [f.name for f in dataclasses.fields(OpSet) if f.name != "name"]
+    # Not ops: the set's name and the batch-invariant set's markers.
+    fields = [f.name for f in dataclasses.fields(OpSet)
+              if f.name not in ("name", "batch_invariant", "row_blocks")]  # fmt: skip
     torch_set, cuda_set, cpu_set = torch_ops(), triton_ops("cuda"), triton_ops("cpu")
-    # DeepSeek-V4's plain cache write is the reference in both sets.
-    reference_only = ("write_rows",)
+    assert not torch_set.batch_invariant and torch_set.row_blocks is None
+    # DeepSeek-V4's plain cache write and MLA's per-head projections (an
+    # einsum: cuBLAS's batched GEMM) are the references in both sets.
+    reference_only = ("write_rows", "head_matmul")
     assert torch_set.sample_draw is None
     for name in fields:
         op = getattr(torch_set, name)

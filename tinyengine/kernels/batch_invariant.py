@@ -26,6 +26,12 @@ one order whatever the batch.
     past the context are zeroed, so a chunk token adds exactly the terms,
     in exactly the order, that its decode step would (x + 0 and x * 1 are
     exact in floating point). The running max is order-free.
+  - MLA (`mla_decode`, `head_matmul`): each row alone over its context's
+    KEYS-key blocks, the per-head projections row-blocked; models/mla.py
+    sends prefill tokens through this decode form too in this mode.
+  - MoE (`fused_moe`): each expert's rows ROWS at a time, a token's experts
+    summed in expert order; `row_blocks` lets the router run its per-token
+    code on row blocks as well.
 
 The guarantee holds on one device and one build (library, thread count):
 it is about the batch, not about machines. It costs the padding (a decode
@@ -42,6 +48,7 @@ from typing import Any
 import torch
 
 from tinyengine.kernels.attention.reference import _gather_context
+from tinyengine.kernels.moe import reference as moe_reference
 
 ROWS = 8  # rows per call of every row-wise op and per attention query block
 KEYS = 16  # keys per attention block
@@ -155,11 +162,8 @@ def paged_attention(
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        padded = -(-seq_len // KEYS) * KEYS
-        keys = torch.zeros(padded, *k_cache.shape[2:], device=q.device)
-        values = torch.zeros(padded, *v_cache.shape[2:], device=q.device)
-        keys[:seq_len] = _gather_context(k_cache, block_tables[i], seq_len, None).float()
-        values[:seq_len] = _gather_context(v_cache, block_tables[i], seq_len, None).float()
+        keys = _padded_context(k_cache, block_tables[i], seq_len)
+        values = _padded_context(v_cache, block_tables[i], seq_len)
         qs = q[start:end].float().view(end - start, num_kv_heads, group, -1)
         positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         attended = by_row_blocks(
@@ -167,6 +171,73 @@ def paged_attention(
         )
         out[start:end] = attended.reshape(end - start, q.shape[1], -1).to(q.dtype)
     return out
+
+
+def _padded_context(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A sequence's first seq_len cached rows in fp32, zero-padded to whole
+    KEYS blocks (zeros, not whatever the cache holds past the context: a
+    weight of 0 times a NaN would still be NaN)."""
+    padded = torch.zeros(-(-seq_len // KEYS) * KEYS, *cache.shape[2:], device=cache.device)
+    padded[:seq_len] = _gather_context(cache, table_row, seq_len, None).float()
+    return padded
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    workspace: Any = None,
+) -> torch.Tensor:
+    """mla/reference.py's mla_decode, batch-invariant: each row alone (one
+    KV head shared by its H heads) over its own context's KEYS-key blocks,
+    keys the latent cache rows, values their latent part."""
+    latent_dim = q_latent.shape[2]
+    q = torch.cat([q_latent, q_rope], dim=-1).float()
+    out = torch.zeros_like(q_latent)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len <= 0:
+            continue
+        rows = _padded_context(latent_cache, block_tables[b], seq_len)  # [n, 1, L + R]
+        position = torch.tensor([seq_len - 1], device=q.device)
+        values = rows[..., :latent_dim].contiguous()
+        attended = _attend_block(q[b, None, None], position, rows, values, scale)
+        out[b] = attended[0, 0].to(out.dtype)
+    return out
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """mla/reference.py's head_matmul, row-blocked."""
+    return by_row_blocks(lambda r: torch.einsum("tha,hab->thb", r, w), x)
+
+
+def _expert_mlp(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, swiglu_limit: float | None
+) -> torch.Tensor:
+    return by_row_blocks(lambda r: moe_reference._expert_mlp(r, w13, w2, swiglu_limit), x)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    workspace: Any = None,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """moe/reference.py's fused_moe, batch-invariant: each expert's rows
+    run ROWS at a time, and a token's sum over its experts is formed in
+    expert order whatever else was routed (as the reference does)."""
+    moe_reference._check(x, w13, w2, topk_ids)
+    return moe_reference.moe_by_expert(
+        x, w13, w2, topk_weights, topk_ids, swiglu_limit, _expert_mlp
+    )
 
 
 def batch_invariant_ops(base: Any) -> Any:
@@ -178,4 +249,9 @@ def batch_invariant_ops(base: Any) -> Any:
         linear_silu_mul=linear_silu_mul,
         rms_norm=invariant_rms_norm(base),
         paged_attention=paged_attention,
+        mla_decode=mla_decode,
+        head_matmul=head_matmul,
+        fused_moe=fused_moe,
+        batch_invariant=True,
+        row_blocks=by_row_blocks,
     )

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,8 +34,10 @@ class OpSet:
     paged_attention: Callable[..., torch.Tensor]
     # rope/reference.py: the Llama-family prologue (q/k norms, RoPE, cache write)
     rope_write_kv: Callable[..., torch.Tensor]
-    # mla/reference.py
+    # mla/reference.py: mla_decode, and head_matmul (x [T, H, a] @ w [H, a, b]
+    # per head: MLA's absorbed projections)
     mla_decode: Callable[..., torch.Tensor]
+    head_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     # moe/reference.py
     fused_moe: Callable[..., torch.Tensor]
     # norm/reference.py: rms_norm(x, weight, eps, residual=None)
@@ -61,6 +64,15 @@ class OpSet:
     # sampling/reference.py's gumbel_argmax signature: the sampler's one-pass
     # draw. None: the sampler draws with its own torch path (worker/sampler.py).
     sample_draw: Callable[..., torch.Tensor] | None
+    # kernels/batch_invariant.py's set (EngineConfig.batch_invariant): models
+    # then run every token through their decode form (e.g. MLA's absorbed
+    # attention for prefill tokens too), so a token computes the same in a
+    # prefill chunk as in a decode step.
+    batch_invariant: bool = False
+    # That set's by_row_blocks(fn, *rows): fn over fixed-size blocks of rows,
+    # for per-token code a model runs outside the ops (MoE routing); None
+    # elsewhere, where models call fn directly.
+    row_blocks: Callable[..., Any] | None = None
 
 
 def torch_ops() -> OpSet:
@@ -83,6 +95,7 @@ def torch_ops() -> OpSet:
         paged_attention=attention.paged_attention,
         rope_write_kv=rope.rope_write_kv_torch,
         mla_decode=mla.mla_decode,
+        head_matmul=mla.head_matmul,
         fused_moe=moe.fused_moe,
         rms_norm=norm.rms_norm_torch,
         silu_and_mul=activation.silu_and_mul,
@@ -122,6 +135,7 @@ def triton_ops(device_type: str) -> OpSet:
         paged_attention=attention.paged_attention,
         rope_write_kv=rope.rope_write_kv_triton,
         mla_decode=mla.mla_decode,
+        head_matmul=ref.head_matmul,
         fused_moe=moe.fused_moe,
         # DeepSeek-V4: kernels for decode rows (prefill chunks go through the
         # references inside them); the plain cache write is the reference in

@@ -197,6 +197,10 @@ class DeepseekV2ForCausalLM(CausalLM):
     # page (kernels/mla/triton.py; at 128 heads about 2x faster than gathering
     # the rows of 16-token blocks, docs/benchmarks.md).
     cuda_block_size = 64
+    # Every op with a batch-dependent result goes through the op set, and MLA
+    # takes its absorbed (decode) form for every token in batch-invariant
+    # mode (kernels/batch_invariant.py).
+    batch_invariant_ok = True
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()

@@ -205,6 +205,8 @@ class MLAAttention(nn.Module):
 
         if ctx.attn.max_query_len == 1:
             out = self._decode_only(q_nope, q_pe, cache, ctx)
+        elif ctx.ops.batch_invariant:
+            out = self._every_token_absorbed(q_nope, q_pe, cache, ctx)
         else:
             out = self._mixed(q_nope, q_pe, cache, ctx)
         return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim), ops)
@@ -229,7 +231,7 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """One query row per sequence -> attention output [B, H, dv]."""
         w_uk, w_uv = self._absorbed_weights()
-        q_latent = torch.einsum("bhd,hdl->bhl", q_nope, w_uk).contiguous()
+        q_latent = ctx.ops.head_matmul(q_nope, w_uk).contiguous()
         out_latent = ctx.ops.mla_decode(
             q_latent,
             q_pe.contiguous(),
@@ -240,7 +242,7 @@ class MLAAttention(nn.Module):
             max_seq_len=max_seq_len,
             workspace=ctx.workspace,
         )
-        return torch.einsum("bhl,hvl->bhv", out_latent, w_uv)
+        return ctx.ops.head_matmul(out_latent, w_uv.transpose(1, 2))
 
     def _decode_only(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext
@@ -258,6 +260,27 @@ class MLAAttention(nn.Module):
         padded = out.new_zeros(q_nope.shape[0], *out.shape[1:])
         padded[:n] = out
         return padded
+
+    def _every_token_absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Batch-invariant mode: each token of a prefill chunk as the decode
+        row it would be (its own length p + 1 over its sequence's table
+        row), so it computes exactly what its decode step would."""
+        attn = ctx.attn
+        starts, lens = attn.query_start_loc_cpu, attn.seq_lens_cpu
+        seqs, row_lens = [], []
+        for i, seq_len in enumerate(lens):
+            q_len = starts[i + 1] - starts[i]
+            seqs += [i] * q_len
+            row_lens += range(seq_len - q_len + 1, seq_len + 1)
+        n, device = len(seqs), q_nope.device
+        out = q_nope.new_zeros(q_nope.shape[0], self.dims.num_heads, self.dims.v_head_dim)
+        out[:n] = self._absorbed(
+            q_nope[:n], q_pe[:n], cache, attn.block_tables[torch.tensor(seqs, device=device)],
+            torch.tensor(row_lens, dtype=torch.int32, device=device), max(row_lens), ctx,
+        )  # fmt: skip
+        return out
 
     # --- prefill / mixed: decode rows absorbed, prefill rows expanded ---
 

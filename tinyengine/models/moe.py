@@ -173,7 +173,16 @@ class TopkRouter(nn.Module):
         if cfg.topk_method == "noaux_tc":
             self.e_score_correction_bias = _fp32_param(cfg.num_experts)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, ops: OpSet) -> tuple[torch.Tensor, torch.Tensor]:
+        # In batch-invariant mode the whole routing runs on fixed-size row
+        # blocks: a token's scores then come from calls of one shape (torch's
+        # sigmoid/softmax take a scalar path for a tensor's tail elements,
+        # whose rounding differs from the vector path's).
+        if ops.row_blocks is not None:
+            return ops.row_blocks(self._route, x)
+        return self._route(x)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         logits = F.linear(x.float(), self.weight)
         if c.topk_method == "noaux_tc":
@@ -253,7 +262,7 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x, ctx.ops)
         out = self.experts(x, weights, ids, ctx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ctx.ops)

@@ -83,3 +83,9 @@ def mla_decode(
     scores.masked_fill_(beyond[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bhk,bkl->bhl", probs, latent).to(q_latent.dtype)
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head projection: x [T, H, a] @ w [H, a, b] -> [T, H, b] (MLA's
+    absorbed weights: the query into latent space, the latent output back)."""
+    return torch.einsum("tha,hab->thb", x, w)

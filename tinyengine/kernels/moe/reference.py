@@ -75,6 +75,22 @@ def fused_moe(
     _check(x, w13, w2, topk_ids)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return _fused_moe_dense(x, w13, w2, topk_weights, topk_ids, swiglu_limit)
+    return moe_by_expert(x, w13, w2, topk_weights, topk_ids, swiglu_limit, _expert_mlp)
+
+
+def moe_by_expert(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: float | None,
+    expert_mlp: Any,
+) -> torch.Tensor:
+    """fused_moe's eager path with the per-expert MLP `expert_mlp(x_rows,
+    w13_e, w2_e, swiglu_limit)` (the batch-invariant set passes a
+    row-blocked one): each expert over its tokens, then each token's
+    weighted sum, formed in expert order."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     if num_tokens == 0:
@@ -93,7 +109,7 @@ def fused_moe(
         if count == 0:
             continue
         rows = token_of[start : start + count]
-        y = _expert_mlp(x[rows], w13[expert], w2[expert], swiglu_limit)
+        y = expert_mlp(x[rows], w13[expert], w2[expert], swiglu_limit)
         out.index_add_(0, rows, y.float() * weight_of[start : start + count, None])
         start += count
     return out.to(x.dtype)
