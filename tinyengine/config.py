@@ -80,7 +80,7 @@ class EngineConfig:
     # Batch-invariant mode (docs/batch_invariance.md): a request's tokens and
     # logprobs are bitwise the same whatever else is in the batch, however
     # its prompt is chunked, cached or recomputed. So far on the CPU, with the
-    # torch op set, for Llama/Qwen and DeepSeek-V2/V3 (check_batch_invariant).
+    # torch op set (check_batch_invariant).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -214,7 +214,7 @@ class EngineConfig:
         elif self.graph_backend == "recording":
             why = "its attention needs eager steps (graph_backend='auto')"
         elif not getattr(model_class, "batch_invariant_ok", False):
-            why = f"it covers Llama/Qwen and DeepSeek-V2/V3 so far, not {model_class.__name__}"
+            why = f"it does not cover {model_class.__name__} yet"
         if why:
             raise ValueError(f"EngineConfig.batch_invariant=True is not available here: {why}")
 

@@ -242,8 +242,10 @@ def fused_moe(
 
 def batch_invariant_ops(base: Any) -> Any:
     """The torch op set `base` with its batch-dependent ops replaced."""
+    from tinyengine.kernels.batch_invariant_v4 import with_v4_ops  # it imports this module
+
     linear, linear_silu_mul = invariant_linears(base)
-    return dataclasses.replace(
+    ops = dataclasses.replace(
         base,
         linear=linear,
         linear_silu_mul=linear_silu_mul,
@@ -255,3 +257,4 @@ def batch_invariant_ops(base: Any) -> Any:
         batch_invariant=True,
         row_blocks=by_row_blocks,
     )
+    return with_v4_ops(ops)

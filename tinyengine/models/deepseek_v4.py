@@ -52,6 +52,7 @@ from tinyengine.models.layers import (
     RMSNorm,
     VocabParallelEmbedding,
     check_tp,
+    per_token,
 )
 from tinyengine.models.moe import FusedExperts, MoEConfig
 
@@ -174,7 +175,7 @@ class ClampedSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
         gate = self.gate_proj(x, ops).clamp(max=self.limit)
         up = self.up_proj(x, ops).clamp(-self.limit, self.limit)
-        return self.down_proj(F.silu(gate) * up, ops)
+        return self.down_proj(per_token(ops, lambda g, u: F.silu(g) * u, gate, up), ops)
 
 
 class V4Router(nn.Module):
@@ -194,8 +195,11 @@ class V4Router(nn.Module):
             self.e_score_correction_bias = fp32_param(cfg.num_experts)
 
     def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor
+        self, x: torch.Tensor, input_ids: torch.Tensor, ops: OpSet
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_token(ops, self._route, x, input_ids)
+
+    def _route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.softplus(F.linear(x, self.weight)).sqrt()
         if self.hashed:
             ids = self.tid2eid[input_ids]
@@ -221,7 +225,7 @@ class V4MoE(nn.Module):
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids)
+        weights, ids = self.gate(x, input_ids, ctx.ops)
         e = self.experts
         routed = ctx.ops.fused_moe(
             x, e.w13_weight, e.w2_weight, weights, ids, workspace=ctx.workspace,
@@ -330,6 +334,9 @@ def checkpoint_to_param(name: str) -> tuple[str, Any]:
 
 
 class DeepseekV4ForCausalLM(CausalLM):
+    # Every op with a batch-dependent result goes through the op set, per-token
+    # torch code through models/layers.py's per_token (kernels/batch_invariant.py).
+    batch_invariant_ok = True
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:

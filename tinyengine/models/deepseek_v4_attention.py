@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from tinyengine.kernels.compressor.reference import rope_tail
+from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, PagedTensor
-from tinyengine.models.layers import ReplicatedLinear, RMSNorm, default_weight_loader
+from tinyengine.models.layers import ReplicatedLinear, RMSNorm, default_weight_loader, per_token
 from tinyengine.models.rotary import RopeCache, rope_frequencies
 
 SLIDING, CSA, HCA = (
@@ -129,9 +130,10 @@ class V4Compressor(nn.Module):
                rotary: V4Rotary) -> None:  # fmt: skip
         """Page this step's per-token state [kv_proj(x) | gate_proj(x)], then
         write the entries it completes (one op: a decode step is one launch)."""
+        kv, gate = per_token(ctx.ops, lambda r: (self.kv_proj(r), self.gate_proj(r)), x)
         ctx.ops.write_and_compress(
-            cache[f"{prefix}state"], cache[f"{prefix}entries"], self.kv_proj(x),
-            self.gate_proj(x), ctx.attn, ratio=self.ratio, overlap=self.overlap,
+            cache[f"{prefix}state"], cache[f"{prefix}entries"], kv, gate, ctx.attn,
+            ratio=self.ratio, overlap=self.overlap,
             position_bias=self.position_bias, norm_weight=self.kv_norm.weight, eps=self.eps,
             cos_sin=rotary.cos_sin_cache,
         )  # fmt: skip
@@ -157,9 +159,12 @@ class V4Indexer(V4Compressor):
                cache: dict, ctx: ForwardContext, rotary: V4Rotary) -> torch.Tensor:  # fmt: skip
         """[T, index_topk] entry ids per query (-1: none)."""
         self.update(x, cache, "index_", ctx, rotary)
-        q = self.q_b_proj(q_residual, ctx.ops).view(x.shape[0], self.num_heads, self.dim)
-        q = rotary.rotate(q, positions)
-        weights = self.scorer.weights_proj(x) * self.num_heads**-0.5
+
+        def queries(r: torch.Tensor, res: torch.Tensor, pos: torch.Tensor) -> tuple:
+            q = self.q_b_proj(res, ctx.ops).view(r.shape[0], self.num_heads, self.dim)
+            return rotary.rotate(q, pos), self.scorer.weights_proj(r) * self.num_heads**-0.5
+
+        q, weights = per_token(ctx.ops, queries, x, q_residual, positions)
         return ctx.ops.indexer_topk(
             q, weights, cache["index_entries"], ctx.attn, ratio=self.ratio, topk=self.topk,
             scale=self.dim**-0.5, block_size=cache["kv"].shape[1], workspace=ctx.workspace,
@@ -213,11 +218,7 @@ class V4Attention(nn.Module):
     ) -> torch.Tensor:
         d, ops, attn = self.d, ctx.ops, ctx.attn
         cache = ctx.kv_caches[self.layer_idx]
-        num_tokens = x.shape[0]
-        q_residual = self.q_a_norm(self.q_a_proj(x, ops), ops)
-        q = self.q_b_proj(q_residual, ops).view(num_tokens, d.num_heads, d.head_dim)
-        q = self.rotary.rotate(unweighted_rms_norm(q, d.rms_norm_eps), positions)
-        kv = self.rotary.rotate(self.kv_norm(self.kv_proj(x, ops), ops), positions)
+        q_residual, q, kv = per_token(ops, lambda r, p: self._prologue(r, p, ops), x, positions)
         ops.write_rows(cache["kv"], kv, attn.slot_mapping)
         topk = None
         if self.compressor is not None:
@@ -231,8 +232,22 @@ class V4Attention(nn.Module):
             scale=d.head_dim**-0.5, entry_cache=cache.get("entries"), ratio=self.ratio,
             topk_indices=topk, workspace=ctx.workspace,
         )  # fmt: skip
+        return per_token(ops, lambda o, p: self._epilogue(o, p, ops), out, positions)
+
+    def _prologue(self, x: torch.Tensor, positions: torch.Tensor, ops: OpSet) -> tuple:
+        """Per token: (the q-LoRA residual, the roped queries, the roped kv row)."""
+        d = self.d
+        q_residual = self.q_a_norm(self.q_a_proj(x, ops), ops)
+        q = self.q_b_proj(q_residual, ops).view(x.shape[0], d.num_heads, d.head_dim)
+        q = self.rotary.rotate(unweighted_rms_norm(q, d.rms_norm_eps), positions)
+        kv = self.rotary.rotate(self.kv_norm(self.kv_proj(x, ops), ops), positions)
+        return q_residual, q, kv
+
+    def _epilogue(self, out: torch.Tensor, positions: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        """Per token: the output rotated back, then the grouped output projection."""
+        d = self.d
         out = self.rotary.rotate(out, positions, inverse=True)
-        grouped = out.view(num_tokens, d.o_groups, -1)
+        grouped = out.view(out.shape[0], d.o_groups, -1)
         weight = self.o_a_proj.weight.view(d.o_groups, d.o_lora_rank, -1)
         out = torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1)
         return self.o_b_proj(out, ops)
