@@ -79,8 +79,8 @@ class EngineConfig:
     async_scheduling: bool = True
     # Batch-invariant mode (docs/batch_invariance.md): a request's tokens and
     # logprobs are bitwise the same whatever else is in the batch, however
-    # its prompt is chunked, cached or recomputed. So far on the CPU, with the
-    # torch op set (check_batch_invariant).
+    # its prompt is chunked, cached or recomputed. So far with the torch op
+    # set ("auto" picks it), eager steps (no CUDA graphs): check_batch_invariant.
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -207,21 +207,23 @@ class EngineConfig:
 
         model_class = get_model_class(hf_config)
         why = None
-        if device != "cpu":
-            why = f"it runs on the CPU so far, not on {device!r} (pass device='cpu')"
-        elif self.resolved_attention_backend(device) != "torch":
+        if self.resolved_attention_backend(device) != "torch":
             why = "it runs with the torch op set so far (attention_backend='torch')"
         elif self.graph_backend == "recording":
             why = "its attention needs eager steps (graph_backend='auto')"
         elif not getattr(model_class, "batch_invariant_ok", False):
             why = f"it does not cover {model_class.__name__} yet"
+        elif device == "cuda" and getattr(model_class, "batch_invariant_cpu_only", False):
+            why = (f"{model_class.__name__} runs each query row alone in this mode, which "
+                   "is too slow on a GPU to serve; use device='cpu' for now")  # fmt: skip
         if why:
             raise ValueError(f"EngineConfig.batch_invariant=True is not available here: {why}")
 
     def resolved_attention_backend(self, device: str) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if device == "cuda" else "torch"
+        # The batch-invariant ops exist for the torch set so far (check_batch_invariant).
+        return "triton" if device == "cuda" and not self.batch_invariant else "torch"
 
     def resolved_dtype(self, hf_config: dict[str, Any], device: str):  # -> torch.dtype
         import torch

@@ -61,6 +61,14 @@ MODELS = {
 }
 
 
+def _build(name: str, folder) -> str:
+    module, variant = MODELS[name]
+    if module is hf_deepseek_v4:
+        return str(hf_deepseek_v4.make_tiny_v4(folder))
+    build = module.make_tiny_deepseek if module is hf_deepseek else module.make_tiny_hf_model
+    return str(build(variant, folder))
+
+
 def _hf_greedy(path: str, prompts: list[list[int]], n: int) -> tuple:
     module = hf_deepseek if "deepseek" in path else hf_models
     return module.hf_greedy(path, prompts, n)
@@ -69,13 +77,7 @@ def _hf_greedy(path: str, prompts: list[list[int]], n: int) -> tuple:
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request, tmp_path_factory):
     """(model folder, the needle's greedy and seeded runs alone)."""
-    module, variant = MODELS[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    if module is hf_deepseek_v4:
-        path = str(hf_deepseek_v4.make_tiny_v4(folder))
-    else:
-        build = module.make_tiny_deepseek if module is hf_deepseek else module.make_tiny_hf_model
-        path = str(build(variant, folder))
+    path = _build(request.param, tmp_path_factory.mktemp(request.param))
     llm = LLM(path, **ENGINE)
     alone = {p.seed: _needle(llm, [], p) for p in (GREEDY, SEEDED)}
     assert llm.stats()["batch_invariant"] is True
@@ -156,3 +158,33 @@ def test_where_the_mode_is_not_built_yet_it_says_so(tmp_path, architecture, conf
     with pytest.raises(ValueError, match="batch_invariant=True is not available here") as err:
         LLM(str(tmp_path), **{**ENGINE, **config})
     assert message in str(err.value)
+
+
+def test_deepseek_v4_is_refused_on_a_gpu():
+    # Checked without one: the decision needs only the architecture and device.
+    from tinyengine.config import EngineConfig
+
+    config = EngineConfig(model="unused", batch_invariant=True)
+    with pytest.raises(ValueError, match="DeepseekV4ForCausalLM runs each query row alone"):
+        config.check_batch_invariant({"architectures": ["DeepseekV4ForCausalLM"]}, "cuda")
+    config.check_batch_invariant({"architectures": ["DeepseekV4ForCausalLM"]}, "cpu")
+    config.check_batch_invariant({"architectures": ["DeepseekV3ForCausalLM"]}, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "deepseek-v3"])
+def test_gpu_the_needle_is_bitwise_the_same_in_any_batch(name, tmp_path_factory):
+    # On a GPU the mode picks the torch op set and eager steps (cuBLAS and
+    # torch's CUDA kernels at fixed shapes); no graph is captured.
+    path = _build(name, tmp_path_factory.mktemp(name))
+    gpu = dict(ENGINE, device="cuda", num_kv_blocks=512)  # several engines, one after another
+    llm = LLM(path, **gpu)
+    assert llm.engine.runner.ops.batch_invariant
+    assert not llm.stats()["captured_graph_sizes"]
+    alone = _needle(llm, [], GREEDY)
+    del llm
+    for seed, config in enumerate(({}, {"max_num_batched_tokens": 37})):
+        other = LLM(path, **gpu, **config)
+        others = _others(8 if seed == 0 else 4, seed)
+        assert _needle(other, others, GREEDY, seed=seed) == alone, config
+        del other

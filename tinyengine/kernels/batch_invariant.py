@@ -151,10 +151,11 @@ def paged_attention(
     workspace: Any = None,
 ) -> torch.Tensor:
     """attention/reference.py's paged_attention, batch-invariant (module
-    docstring). Needs the host lengths: eager steps only."""
+    docstring). Eager only: without host lengths (a graph-shaped decode step
+    run eagerly by profile or warmup) it reads them from the device."""
     starts, lens = query_start_loc_cpu, seq_lens_cpu
     if starts is None or lens is None:
-        raise ValueError("paged_attention (batch-invariant): needs host lengths (eager steps)")
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)

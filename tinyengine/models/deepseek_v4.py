@@ -336,7 +336,10 @@ def checkpoint_to_param(name: str) -> tuple[str, Any]:
 class DeepseekV4ForCausalLM(CausalLM):
     # Every op with a batch-dependent result goes through the op set, per-token
     # torch code through models/layers.py's per_token (kernels/batch_invariant.py).
+    # Its invariant ops take one query row at a time: a launch per op per row
+    # on a GPU, minutes for a short run, so the mode is refused there for now.
     batch_invariant_ok = True
+    batch_invariant_cpu_only = True
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:

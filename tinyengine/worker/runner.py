@@ -338,6 +338,9 @@ class ModelRunner:
                 "enforce_eager" if self.config.enforce_eager else "graph_backend='none'"
             )
             return False
+        if self.config.batch_invariant:  # its ops read lengths on the host
+            self.capture_skip_reason = "batch_invariant"
+            return False
         if self.config.graph_backend != "recording" and self.device.type != "cuda":
             self.capture_skip_reason = "no CUDA device"
             return False
