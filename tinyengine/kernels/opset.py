@@ -74,6 +74,12 @@ class OpSet:
     # elsewhere, where models call fn directly.
     row_blocks: Callable[..., Any] | None = None
 
+    def per_token(self, fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
+        """fn(*rows) for model code whose rows are tokens and that calls torch
+        directly (not through an op): on fixed-size row blocks in the
+        batch-invariant set (row_blocks), else as it is."""
+        return fn(*rows) if self.row_blocks is None else self.row_blocks(fn, *rows)
+
 
 def torch_ops() -> OpSet:
     """Torch references only: no Triton module is imported."""

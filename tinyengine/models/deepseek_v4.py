@@ -52,7 +52,6 @@ from tinyengine.models.layers import (
     RMSNorm,
     VocabParallelEmbedding,
     check_tp,
-    per_token,
 )
 from tinyengine.models.moe import FusedExperts, MoEConfig
 
@@ -175,7 +174,7 @@ class ClampedSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
         gate = self.gate_proj(x, ops).clamp(max=self.limit)
         up = self.up_proj(x, ops).clamp(-self.limit, self.limit)
-        return self.down_proj(per_token(ops, lambda g, u: F.silu(g) * u, gate, up), ops)
+        return self.down_proj(ops.per_token(lambda g, u: F.silu(g) * u, gate, up), ops)
 
 
 class V4Router(nn.Module):
@@ -197,7 +196,7 @@ class V4Router(nn.Module):
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, ops: OpSet
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return per_token(ops, self._route, x, input_ids)
+        return ops.per_token(self._route, x, input_ids)
 
     def _route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.softplus(F.linear(x, self.weight)).sqrt()
@@ -335,7 +334,7 @@ def checkpoint_to_param(name: str) -> tuple[str, Any]:
 
 class DeepseekV4ForCausalLM(CausalLM):
     # Every op with a batch-dependent result goes through the op set, per-token
-    # torch code through models/layers.py's per_token (kernels/batch_invariant.py).
+    # torch code through OpSet.per_token (kernels/batch_invariant.py).
     # Its invariant ops take one query row at a time: a launch per op per row
     # on a GPU, minutes for a short run, so the mode is refused there for now.
     batch_invariant_ok = True

@@ -33,7 +33,7 @@ from torch import nn
 from tinyengine.kernels.compressor.reference import rope_tail
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, PagedTensor
-from tinyengine.models.layers import ReplicatedLinear, RMSNorm, default_weight_loader, per_token
+from tinyengine.models.layers import ReplicatedLinear, RMSNorm, default_weight_loader
 from tinyengine.models.rotary import RopeCache, rope_frequencies
 
 SLIDING, CSA, HCA = (
@@ -130,7 +130,7 @@ class V4Compressor(nn.Module):
                rotary: V4Rotary) -> None:  # fmt: skip
         """Page this step's per-token state [kv_proj(x) | gate_proj(x)], then
         write the entries it completes (one op: a decode step is one launch)."""
-        kv, gate = per_token(ctx.ops, lambda r: (self.kv_proj(r), self.gate_proj(r)), x)
+        kv, gate = ctx.ops.per_token(lambda r: (self.kv_proj(r), self.gate_proj(r)), x)
         ctx.ops.write_and_compress(
             cache[f"{prefix}state"], cache[f"{prefix}entries"], kv, gate, ctx.attn,
             ratio=self.ratio, overlap=self.overlap,
@@ -164,7 +164,7 @@ class V4Indexer(V4Compressor):
             q = self.q_b_proj(res, ctx.ops).view(r.shape[0], self.num_heads, self.dim)
             return rotary.rotate(q, pos), self.scorer.weights_proj(r) * self.num_heads**-0.5
 
-        q, weights = per_token(ctx.ops, queries, x, q_residual, positions)
+        q, weights = ctx.ops.per_token(queries, x, q_residual, positions)
         return ctx.ops.indexer_topk(
             q, weights, cache["index_entries"], ctx.attn, ratio=self.ratio, topk=self.topk,
             scale=self.dim**-0.5, block_size=cache["kv"].shape[1], workspace=ctx.workspace,
@@ -218,7 +218,7 @@ class V4Attention(nn.Module):
     ) -> torch.Tensor:
         d, ops, attn = self.d, ctx.ops, ctx.attn
         cache = ctx.kv_caches[self.layer_idx]
-        q_residual, q, kv = per_token(ops, lambda r, p: self._prologue(r, p, ops), x, positions)
+        q_residual, q, kv = ops.per_token(lambda r, p: self._prologue(r, p, ops), x, positions)
         ops.write_rows(cache["kv"], kv, attn.slot_mapping)
         topk = None
         if self.compressor is not None:
@@ -232,7 +232,7 @@ class V4Attention(nn.Module):
             scale=d.head_dim**-0.5, entry_cache=cache.get("entries"), ratio=self.ratio,
             topk_indices=topk, workspace=ctx.workspace,
         )  # fmt: skip
-        return per_token(ops, lambda o, p: self._epilogue(o, p, ops), out, positions)
+        return ops.per_token(lambda o, p: self._epilogue(o, p, ops), out, positions)
 
     def _prologue(self, x: torch.Tensor, positions: torch.Tensor, ops: OpSet) -> tuple:
         """Per token: (the q-LoRA residual, the roped queries, the roped kv row)."""

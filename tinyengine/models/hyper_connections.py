@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from tinyengine.models.deepseek_v4_attention import fp32_param
-from tinyengine.models.layers import per_token
 
 if TYPE_CHECKING:
     from tinyengine.kernels import OpSet
@@ -46,7 +45,7 @@ class HyperConnection(nn.Module):
         """-> post [T, hc], comb [T, hc, hc] (fp32), the collapsed input [T, D].
         The projection skips HF's weightless RMS norm: the op applies its
         per-token factor to the projection instead (kernels/mhc/reference.py)."""
-        mixes = per_token(ops, lambda s: s.flatten(1).float() @ self.fn.t(), streams)
+        mixes = ops.per_token(lambda s: s.flatten(1).float() @ self.fn.t(), streams)
         return ops.mhc_pre(
             streams, mixes, self.base, self.scale,
             iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
@@ -65,7 +64,7 @@ class HyperHead(nn.Module):
         self.hc_scale = fp32_param(1)
 
     def forward(self, streams: torch.Tensor, ops: OpSet) -> torch.Tensor:
-        mixes = per_token(ops, lambda s: s.flatten(1).float() @ self.hc_fn.t(), streams)
+        mixes = ops.per_token(lambda s: s.flatten(1).float() @ self.hc_fn.t(), streams)
         return ops.mhc_head(
             streams, mixes, self.hc_base, self.hc_scale, hc_eps=self.hc_eps, norm_eps=self.norm_eps
         )

@@ -18,7 +18,7 @@ unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -395,10 +395,3 @@ class CausalLM(nn.Module):
         costs more than the sampling kernel; the sampler widens the values it
         needs (the fused kernel in registers)."""
         return self.lm_head(hidden_states, ops)
-
-
-def per_token(ops: OpSet, fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
-    """fn(*rows) for model code whose rows are tokens and that calls torch
-    directly (not through an op): on fixed-size row blocks in batch-invariant
-    mode (ops.row_blocks, kernels/batch_invariant.py), else as it is."""
-    return fn(*rows) if ops.row_blocks is None else ops.row_blocks(fn, *rows)

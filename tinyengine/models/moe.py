@@ -31,7 +31,6 @@ from tinyengine.models.layers import (
     SiluAndMul,
     check_tp,
     default_weight_loader,
-    per_token,
 )
 
 ROUTINGS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -179,7 +178,7 @@ class TopkRouter(nn.Module):
         # blocks: a token's scores then come from calls of one shape (torch's
         # sigmoid/softmax take a scalar path for a tensor's tail elements,
         # whose rounding differs from the vector path's).
-        return per_token(ops, self._route, x)
+        return ops.per_token(self._route, x)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
