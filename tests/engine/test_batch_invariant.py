@@ -125,6 +125,21 @@ def test_a_prefix_hit_changes_nothing(model):
     assert got == alone[GREEDY.seed]
 
 
+def test_prompt_logprobs_too(model):
+    path, _ = model
+    params = SamplingParams(max_tokens=1, prompt_logprobs=3)
+
+    def prompt_logprobs(llm: LLM, others: list[list[int]]) -> list:
+        outs = llm.generate([{"prompt_token_ids": p} for p in [*others, NEEDLE]], params,
+                            use_tqdm=False)  # fmt: skip
+        return [None if d is None else sorted((t, lp.logprob) for t, lp in d.items())
+                for d in outs[-1].prompt_logprobs]  # fmt: skip
+
+    alone = prompt_logprobs(LLM(path, **ENGINE), [])
+    chunked = LLM(path, **{**ENGINE, "max_num_batched_tokens": 37})
+    assert prompt_logprobs(chunked, _others(4, 9, 60)) == alone
+
+
 def test_with_the_mode_off_the_batch_shows(model):
     path, _ = model
     llm = LLM(path, **{**ENGINE, "batch_invariant": False})
