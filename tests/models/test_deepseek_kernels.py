@@ -182,9 +182,8 @@ def test_op_sets_hold_their_own_implementations():
     for the ops whose kernels only pay off on a GPU."""
     from tinyengine.kernels import OpSet, torch_ops, triton_ops
 
-    # Not ops: the set's name and the batch-invariant set's markers.
-    fields = [f.name for f in dataclasses.fields(OpSet)
-              if f.name not in ("name", "batch_invariant", "row_blocks")]  # fmt: skip
+    # Not ops: the set's name and the batch-invariant set's row blocking.
+    fields = [f.name for f in dataclasses.fields(OpSet) if f.name not in ("name", "row_blocks")]
     torch_set, cuda_set, cpu_set = torch_ops(), triton_ops("cuda"), triton_ops("cpu")
     assert not torch_set.batch_invariant and torch_set.row_blocks is None
     # DeepSeek-V4's plain cache write and MLA's per-head projections (an

@@ -255,7 +255,6 @@ def batch_invariant_ops(base: Any) -> Any:
         mla_decode=mla_decode,
         head_matmul=head_matmul,
         fused_moe=fused_moe,
-        batch_invariant=True,
         row_blocks=by_row_blocks,
     )
     return with_v4_ops(ops)

@@ -86,11 +86,13 @@ def write_and_compress(
     state_cache: torch.Tensor, entry_cache: torch.Tensor, kv: torch.Tensor,
     gate: torch.Tensor, attn: Any, **kw: Any,
 ) -> None:  # fmt: skip
-    """reference.write_and_compress: the step's state rows first, then each
-    row's window (if its token completes one) alone through the decode path."""
+    """reference.write_and_compress: the step's state rows first, then the
+    window each row's token completes (its length a multiple of the ratio)
+    alone through the decode path."""
     compressor.write_rows(state_cache, torch.cat([kv, gate], dim=-1), attn.slot_mapping)
     for _, one in _decode_rows(attn):
-        compressor.compress_windows(state_cache, entry_cache, one, **kw)
+        if one.max_seq_len % kw["ratio"] == 0:
+            compressor.compress_windows(state_cache, entry_cache, one, **kw)
 
 
 def mhc_pre(streams: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor,

@@ -10,8 +10,12 @@ without Gluon (`HAVE_GLUON` False) every caller runs its Triton kernel.
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 
 import torch
+import triton
+from triton.compiler.errors import CompilationError
 
 try:
     from triton.experimental import gluon
@@ -38,12 +42,37 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 __all__ = [
-    "HAVE_GLUON", "TensorDescriptor", "async_copy", "cp_async_load", "cta_barrier",
-    "fence_async_shared", "gl", "gluon", "is_hopper", "mbarrier", "tma_load", "warpgroup_mma",
+    "HAVE_GLUON", "GluonUnavailable", "TensorDescriptor", "async_copy", "cp_async_load",
+    "cta_barrier", "fence_async_shared", "gl", "gluon", "is_hopper", "launch_or_give_up",
+    "mbarrier", "tma_load", "warpgroup_mma",
 ]  # fmt: skip
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
 def is_hopper(device_index: int | None) -> bool:
     """sm_90: the only architecture the Gluon kernels were written for."""
     return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+class GluonUnavailable(RuntimeError):
+    """This Triton could not compile a Gluon kernel (its Gluon API differs from
+    the ones the kernels were written against); the caller runs its Triton
+    kernel instead, and the kernel's `supports` says False from now on."""
+
+
+def launch_or_give_up(launch: Callable[[], None], what: str, failed: list[str]) -> None:
+    """Run `launch`, one Gluon kernel's launch. A compile error (compiles
+    happen at warmup, before any graph capture) is recorded in `failed`, the
+    kernel's own list, which its `supports` reads; logged; and raised as
+    GluonUnavailable."""
+    try:
+        launch()
+    except CompilationError as err:
+        failed.append(str(err).splitlines()[-1] if str(err) else type(err).__name__)
+        logger.warning(
+            "the Gluon %s kernel does not compile with triton %s (%s); "
+            "running the Triton kernel instead", what, triton.__version__, failed[0],
+        )  # fmt: skip
+        raise GluonUnavailable(failed[0]) from err

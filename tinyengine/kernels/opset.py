@@ -64,15 +64,18 @@ class OpSet:
     # sampling/reference.py's gumbel_argmax signature: the sampler's one-pass
     # draw. None: the sampler draws with its own torch path (worker/sampler.py).
     sample_draw: Callable[..., torch.Tensor] | None
-    # kernels/batch_invariant.py's set (EngineConfig.batch_invariant): models
-    # then run every token through their decode form (e.g. MLA's absorbed
-    # attention for prefill tokens too), so a token computes the same in a
-    # prefill chunk as in a decode step.
-    batch_invariant: bool = False
-    # That set's by_row_blocks(fn, *rows): fn over fixed-size blocks of rows,
-    # for per-token code a model runs outside the ops (MoE routing); None
-    # elsewhere, where models call fn directly.
+    # kernels/batch_invariant.py's set (EngineConfig.batch_invariant) has its
+    # by_row_blocks(fn, *rows) here: fn over fixed-size blocks of rows, for
+    # per-token code a model runs outside the ops; None in the other sets.
     row_blocks: Callable[..., Any] | None = None
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this is the batch-invariant set: models then run every token
+        through their decode form (e.g. MLA's absorbed attention for prefill
+        tokens too), so a token computes the same in a prefill chunk as in a
+        decode step."""
+        return self.row_blocks is not None
 
     def per_token(self, fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
         """fn(*rows) for model code whose rows are tokens and that calls torch

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinyengine.kernels.sparse_attention.rows import query_rows
 from tinyengine.models import rotary
 from tinyengine.models.context import ForwardContext
 from tinyengine.models.layers import (
@@ -265,22 +266,13 @@ class MLAAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """Batch-invariant mode: each token of a prefill chunk as the decode
-        row it would be (its own length p + 1 over its sequence's table
-        row), so it computes exactly what its decode step would."""
-        attn = ctx.attn
-        starts, lens = attn.query_start_loc_cpu, attn.seq_lens_cpu
-        seqs, row_lens = [], []
-        for i, seq_len in enumerate(lens):
-            q_len = starts[i + 1] - starts[i]
-            seqs += [i] * q_len
-            row_lens += range(seq_len - q_len + 1, seq_len + 1)
-        n, device = len(seqs), q_nope.device
-        out = q_nope.new_zeros(q_nope.shape[0], self.dims.num_heads, self.dims.v_head_dim)
-        out[:n] = self._absorbed(
-            q_nope[:n], q_pe[:n], cache, attn.block_tables[torch.tensor(seqs, device=device)],
-            torch.tensor(row_lens, dtype=torch.int32, device=device), max(row_lens), ctx,
-        )  # fmt: skip
-        return out
+        row it would be (the row model of kernels/sparse_attention/rows.py:
+        its own length p + 1 over its sequence's table row; padding rows
+        have length 0 and attend to nothing), so it computes exactly what
+        its decode step would."""
+        attn, rows = ctx.attn, query_rows(ctx.attn)
+        tables = attn.block_tables if rows.seqs is None else attn.block_tables[rows.seqs.long()]
+        return self._absorbed(q_nope, q_pe, cache, tables, rows.seq_lens, attn.max_seq_len, ctx)
 
     # --- prefill / mixed: decode rows absorbed, prefill rows expanded ---
 

@@ -106,11 +106,12 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
         # GPU: under the CPU interpreter nothing compiles, a class costs a
         # whole interpreted prefill, and profile's worst prefill has sized
         # the arena already.
-        counts = runner.model.warmup_token_counts(cfg.max_num_batched_tokens)
-        for tokens in counts if runner.device.type == "cuda" else []:
-            seqs = -(-tokens // max(longest, 1))
-            if seqs <= cfg.max_num_seqs:
-                runner.dummy_forward([tokens // seqs + (i < tokens % seqs) for i in range(seqs)])
+        if runner.device.type == "cuda":
+            for tokens in runner.model.warmup_token_counts(cfg.max_num_batched_tokens):
+                seqs = -(-tokens // max(longest, 1))
+                if seqs <= cfg.max_num_seqs:
+                    rows = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+                    runner.dummy_forward(rows)
 
     # One eager run of every shape that will be captured, through the very
     # callable the graph will capture: it compiles the Triton kernels of each

@@ -40,13 +40,14 @@ kernel, and GPU tests compare this one with the reference and with it.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
-from triton.compiler.errors import CompilationError
 
-from tinyengine.kernels.gluon_support import HAVE_GLUON, is_hopper
+from tinyengine.kernels.gluon_support import (
+    HAVE_GLUON,
+    is_hopper,
+    launch_or_give_up,
+)
 
 if HAVE_GLUON:
     from tinyengine.kernels.gluon_split import (
@@ -65,8 +66,6 @@ if HAVE_GLUON:
         tma_load,
         warpgroup_mma,
     )
-
-logger = logging.getLogger(__name__)
 
 BLOCK_H = 64  # heads per program: the M of one wgmma
 BLOCK_N = 64  # latent rows per tile = one page of a 64-token cache block
@@ -211,12 +210,6 @@ if HAVE_GLUON:
             write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, LATENT)
 
 
-class GluonUnavailable(RuntimeError):
-    """This Triton could not compile the Gluon kernel (its Gluon API differs
-    from the ones this file was written against: 3.6 and 3.9); the caller
-    runs the Triton kernel instead, and `supports` says False from now on."""
-
-
 _compile_failed: list[str] = []  # the first compile error, once one happened
 
 
@@ -239,19 +232,36 @@ def launch_split(
     rope_desc = TensorDescriptor(
         latent_cache[..., LATENT:], [rows, ROPE], [row_stride, 1], [BLOCK_N, ROPE], layout
     )
-    try:
-        _mla_split_gluon[(triton.cdiv(num_heads, BLOCK_H), num_seqs, num_splits)](
-            q_latent, q_rope, lat_desc, rope_desc, block_tables, seq_lens, out, part_out, part_lse,
-            qk_scale, num_splits, num_heads,
-            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-            block_tables.stride(0), out.stride(0), out.stride(1),
-            LATENT=LATENT, ROPE=ROPE, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size,
-            DIRECT=num_splits == 1, NUM_STAGES=NUM_STAGES, num_warps=8,
-        )  # fmt: skip
-    except CompilationError as err:  # compiles happen at warmup, before any graph capture
-        _compile_failed.append(str(err).splitlines()[-1] if str(err) else type(err).__name__)
-        logger.warning(
-            "the Gluon MLA decode kernel does not compile with triton %s (%s); "
-            "running the Triton kernel instead", triton.__version__, _compile_failed[0],
-        )  # fmt: skip
-        raise GluonUnavailable(_compile_failed[0]) from err
+    launch_or_give_up(
+        lambda: _mla_split_gluon[(triton.cdiv(num_heads, BLOCK_H), num_seqs, num_splits)](
+            q_latent,
+            q_rope,
+            lat_desc,
+            rope_desc,
+            block_tables,
+            seq_lens,
+            out,
+            part_out,
+            part_lse,
+            qk_scale,
+            num_splits,
+            num_heads,
+            q_latent.stride(0),
+            q_latent.stride(1),
+            q_rope.stride(0),
+            q_rope.stride(1),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            LATENT=LATENT,
+            ROPE=ROPE,
+            BLOCK_H=BLOCK_H,
+            BLOCK_N=BLOCK_N,
+            BLOCK_SIZE=block_size,
+            DIRECT=num_splits == 1,
+            NUM_STAGES=NUM_STAGES,
+            num_warps=8,
+        ),  # fmt: skip
+        "MLA decode",
+        _compile_failed,
+    )

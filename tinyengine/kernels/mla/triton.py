@@ -99,6 +99,7 @@ import torch
 import triton
 
 import tinyengine.kernels.mla.gluon as mla_gluon
+from tinyengine.kernels.gluon_support import GluonUnavailable
 from tinyengine.kernels.launch import LOG2E, dot_precision, interpreting, num_sms
 from tinyengine.kernels.mla.split import RESCALE_THRESHOLD, _mla_reduce_kernel, _mla_split_kernel
 from tinyengine.kernels.mla.tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: tests read them here)
@@ -252,7 +253,7 @@ def launch_mla_decode(
                 q_latent, q_rope, latent_cache, block_tables, seq_lens, scale * LOG2E,
                 num_splits, out, part_out, part_lse,
             )  # fmt: skip
-        except mla_gluon.GluonUnavailable:
+        except GluonUnavailable:
             use_gluon = False
     if not use_gluon:
         lat_desc = rope_desc = latent_cache  # placeholders where pointers load instead

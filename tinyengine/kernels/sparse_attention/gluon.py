@@ -44,14 +44,15 @@ this one with the reference.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
-import triton
-from triton.compiler.errors import CompilationError
 
-from tinyengine.kernels.gluon_support import HAVE_GLUON, is_hopper
+from tinyengine.kernels.gluon_support import (
+    HAVE_GLUON,
+    is_hopper,
+    launch_or_give_up,
+)
 from tinyengine.kernels.sparse_attention.split import ALL_ENTRIES, TOPK_ENTRIES
 
 if HAVE_GLUON:
@@ -70,8 +71,6 @@ if HAVE_GLUON:
         gluon,
         warpgroup_mma,
     )
-
-logger = logging.getLogger(__name__)
 
 BLOCK_H = 64  # heads per program: the M of one wgmma
 BLOCK_N = 64  # keys per tile
@@ -312,11 +311,6 @@ if HAVE_GLUON:
             write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, D)
 
 
-class GluonUnavailable(RuntimeError):
-    """This Triton could not compile the Gluon kernel; the caller runs the
-    Triton kernel instead, and `supports` says False from now on."""
-
-
 _compile_failed: list[str] = []  # the first compile error, once one happened
 
 
@@ -324,12 +318,8 @@ def launch_split(grid: tuple[int, int, int], args: tuple, common: dict[str, Any]
     """The split kernel over a call `supports` accepted, with the Triton
     kernel's positional arguments and its constexprs shared by both
     (kernels/sparse_attention/triton.py builds them)."""
-    try:
-        _sparse_split_gluon[grid](*args, **common, NUM_STAGES=NUM_STAGES, num_warps=8)
-    except CompilationError as err:  # compiles happen at warmup, before any graph capture
-        _compile_failed.append(str(err).splitlines()[-1] if str(err) else type(err).__name__)
-        logger.warning(
-            "the Gluon sparse-attention kernel does not compile with triton %s (%s); "
-            "running the Triton kernel instead", triton.__version__, _compile_failed[0],
-        )  # fmt: skip
-        raise GluonUnavailable(_compile_failed[0]) from err
+    launch_or_give_up(
+        lambda: _sparse_split_gluon[grid](*args, **common, NUM_STAGES=NUM_STAGES, num_warps=8),
+        "sparse-attention",
+        _compile_failed,
+    )

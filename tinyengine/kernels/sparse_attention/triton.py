@@ -97,6 +97,7 @@ import triton
 import tinyengine.kernels.sparse_attention.gluon as sparse_gluon
 from tinyengine.kernels.compressor.reference import check_ratio
 from tinyengine.kernels.compressor.reference import entry_tables as entry_tables_of
+from tinyengine.kernels.gluon_support import GluonUnavailable
 from tinyengine.kernels.launch import LOG2E, dot_precision, interpreting, num_sms
 from tinyengine.kernels.sparse_attention.rows import QueryRows, query_rows, scratch
 from tinyengine.kernels.sparse_attention.split import (
@@ -304,7 +305,7 @@ def _attend_rows(
     if use_gluon:
         try:
             sparse_gluon.launch_split(grid, args, common)
-        except sparse_gluon.GluonUnavailable:
+        except GluonUnavailable:
             use_gluon = False
     if not use_gluon:
         _sparse_split_kernel[grid](
