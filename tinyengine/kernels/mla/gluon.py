@@ -232,36 +232,16 @@ def launch_split(
     rope_desc = TensorDescriptor(
         latent_cache[..., LATENT:], [rows, ROPE], [row_stride, 1], [BLOCK_N, ROPE], layout
     )
+    grid = (triton.cdiv(num_heads, BLOCK_H), num_seqs, num_splits)
+    args = (
+        q_latent, q_rope, lat_desc, rope_desc, block_tables, seq_lens, out, part_out, part_lse,
+        qk_scale, num_splits, num_heads, q_latent.stride(0), q_latent.stride(1),
+        q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+    )  # fmt: skip
+    consts = dict(
+        LATENT=LATENT, ROPE=ROPE, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size,
+        DIRECT=num_splits == 1, NUM_STAGES=NUM_STAGES,
+    )  # fmt: skip
     launch_or_give_up(
-        lambda: _mla_split_gluon[(triton.cdiv(num_heads, BLOCK_H), num_seqs, num_splits)](
-            q_latent,
-            q_rope,
-            lat_desc,
-            rope_desc,
-            block_tables,
-            seq_lens,
-            out,
-            part_out,
-            part_lse,
-            qk_scale,
-            num_splits,
-            num_heads,
-            q_latent.stride(0),
-            q_latent.stride(1),
-            q_rope.stride(0),
-            q_rope.stride(1),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-            LATENT=LATENT,
-            ROPE=ROPE,
-            BLOCK_H=BLOCK_H,
-            BLOCK_N=BLOCK_N,
-            BLOCK_SIZE=block_size,
-            DIRECT=num_splits == 1,
-            NUM_STAGES=NUM_STAGES,
-            num_warps=8,
-        ),  # fmt: skip
-        "MLA decode",
-        _compile_failed,
+        lambda: _mla_split_gluon[grid](*args, **consts, num_warps=8), "MLA decode", _compile_failed
     )
