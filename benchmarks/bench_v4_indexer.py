@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 import tinyengine.kernels.indexer.reference as reference  # noqa: E402
+import tinyengine.kernels.indexer.select as sel  # noqa: E402
 import tinyengine.kernels.indexer.triton as indexer  # noqa: E402
 from tinyengine.kernels.workspace import Workspace  # noqa: E402
 from tinyengine.models.context import AttentionMetadata  # noqa: E402
@@ -35,9 +36,9 @@ from tinyengine.models.context import AttentionMetadata  # noqa: E402
 DEV = "cuda"
 HEADS, DIM, RATIO, TOPK, BLOCK = 64, 128, 4, 512, 64
 ROWS = BLOCK // RATIO + 1
-# (keys per step, warps) of the select kernel that --sweep times
+# (chunk, warps) of the select kernel that --sweep times
 # (tests/kernels/test_triton_indexer.py checks the same ones on the GPU).
-SELECT_CONFIGS = ((1024, 4), (1024, 8), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
+SELECT_CONFIGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
 
 
 def read_bandwidth() -> tuple[float, float]:
@@ -97,8 +98,11 @@ def bench(case: Case, read_tbs: float) -> None:
     op = timed(lambda: case.op(indexer))
     score = timed(case.scores)
     keys = case.scores()
-    chosen = torch.empty(case.batch, TOPK, dtype=torch.long, device=DEV)
-    select = timed(lambda: indexer.select_topk(keys, TOPK, chosen))
+    buffers = [
+        torch.empty(shape, dtype=dtype, device=DEV)
+        for shape, dtype in sel.select_scratch(case.batch, keys.shape[1], TOPK)
+    ]
+    select = timed(lambda: sel.select_topk(keys, TOPK, buffers))
     top = timed(lambda: torch.topk(keys, TOPK, dim=1))
     peer = timed(lambda: case.op(reference), rep=50)
     label = f"B={case.batch:<3} ctx={case.ctx:<6}"
@@ -134,10 +138,9 @@ def sweep(case: Case, read_tbs: float) -> None:
     ]
     _best(case, read_tbs, "scoring", configs, case.scores)
     keys = case.scores()
-    chosen = torch.empty(case.batch, TOPK, dtype=torch.long, device=DEV)
-    configs = [dict(block=b, num_warps=w) for b, w in SELECT_CONFIGS]
+    configs = [dict(chunk=c, num_warps=w) for c, w in SELECT_CONFIGS]
     _best(case, read_tbs, "select", configs,
-          lambda **cfg: indexer.select_topk(keys, TOPK, chosen, **cfg))  # fmt: skip
+          lambda **cfg: sel.select_topk(keys, TOPK, **cfg))  # fmt: skip
 
 
 def main() -> None:

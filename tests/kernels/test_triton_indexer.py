@@ -14,7 +14,7 @@ every token through the kernels as a row of its own, and must pick exactly
 what the reference's per-sequence loop (choose_longer) picks
 (test_triton_v4_prefill.py: row blocks, ties in chunks, long chunks on the GPU).
 
-The top-k select kernel is checked on its own against torch.topk on packed
+The top-k select (kernels/indexer/select.py) is checked on its own against torch.topk on packed
 keys built to stress it (ties across the k-th place, scores equal but for
 their last mantissa bits, +-0.0, -inf). The GPU tests run V4-Flash shapes
 (64 heads, Di 128, bf16, top 512, contexts up to 64k) against the reference,
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 import tinyengine.kernels.indexer.reference as ref
+import tinyengine.kernels.indexer.select as sel
 import tinyengine.kernels.indexer.triton as tri
 from tinyengine.kernels.compressor.reference import entry_slots
 from tinyengine.kernels.workspace import Workspace
@@ -196,15 +197,16 @@ def _select_rows(num_entries: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("num_entries", "topk", "block"),
+    ("num_entries", "topk", "chunk"),
     [(300, 16, 64), (50, 64, 16), (64, 64, 16), (65, 64, 32), (1000, 128, 256), (700, 100, 128),
      (2, 8, 16), (1, 1, 16)],
 )  # fmt: skip
-def test_select_matches_torch_topk_on_packed_keys(num_entries, topk, block):
+@pytest.mark.parametrize("digit", [5, 8])
+def test_select_matches_torch_topk_on_packed_keys(num_entries, topk, chunk, digit):
+    """Chunks smaller than the rows: two or three levels of the select tree;
+    a digit that does not divide 32 (a short last pass) and one that does."""
     keys = ref.pack_scores(_select_rows(num_entries, seed=num_entries)).to(DEVICE)
-    chosen = torch.empty(keys.shape[0], triton.next_power_of_2(topk), dtype=torch.long,
-                         device=DEVICE)  # fmt: skip
-    out = tri.select_topk(keys, topk, chosen, block=block)
+    out = sel.select_topk(keys, topk, chunk=chunk, digit=digit)
     assert torch.equal(out.cpu(), _torch_picks(keys.cpu(), topk))
 
 
@@ -342,8 +344,8 @@ def test_v4_flash_shapes_pick_the_best_up_to_near_ties():
 # Scoring tiles (block_e, num_warps, num_stages, tiles_per_program) that
 # benchmarks/bench_v4_indexer.py --sweep times; the defaults are one of them.
 SCORING_CONFIGS = [(64, 4, 2, 8), (64, 4, 3, 16), (64, 8, 4, 32), (128, 8, 3, 8), (128, 4, 2, 1)]
-# (block, num_warps) of the select kernel, as the benchmark's SELECT_CONFIGS.
-SELECT_CONFIGS = [(1024, 4), (1024, 8), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
+# (chunk, num_warps) of the select kernel, as the benchmark's SELECT_CONFIGS.
+SELECT_CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
 
 
 @pytest.mark.gpu
@@ -362,12 +364,11 @@ def test_v4_flash_shapes_exact_on_integers():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("block", "warps"), SELECT_CONFIGS)
-def test_select_at_v4_sizes_matches_torch_topk(block, warps):
+@pytest.mark.parametrize(("chunk", "warps"), SELECT_CONFIGS)
+def test_select_at_v4_sizes_matches_torch_topk(chunk, warps):
     scores = torch.cat([_select_rows(16384, seed=s) for s in range(3)])
     keys = ref.pack_scores(scores).cuda()
-    chosen = torch.empty(keys.shape[0], 512, dtype=torch.long, device="cuda")
-    out = tri.select_topk(keys, 512, chosen, block=block, num_warps=warps)
+    out = sel.select_topk(keys, 512, chunk=chunk, num_warps=warps)
     assert torch.equal(out.cpu(), _torch_picks(keys.cpu(), 512))
 
 

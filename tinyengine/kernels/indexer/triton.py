@@ -24,16 +24,8 @@ visible entries w < seq_len // ratio):
    a thread's fragment and a quad. Loads past the row's visible count are
    masked (nothing unreadable is touched), and tiles wholly past it are only
    filled with -inf keys.
-2. `_select_kernel`, one program per row, picks the top k of those keys:
-   a radix select on the 32-bit score field (8 bits a pass from the top,
-   tl.histogram over the keys still in the running; it stops as soon as the
-   group at the k-th place is needed whole), then one scan that compacts the
-   keys above that group and the group's first `need` in id order, and a
-   bitonic sort of the k picks. Packed keys are distinct and order by (score
-   descending, id ascending), so the picks are the reference's stable choice,
-   ties to the lower id, exactly what torch.topk on the keys gives (which
-   costs more: ~100 us for one 16k-entry row on an H200, where this takes
-   ~50). Ids come out as reference.unpack_picks makes them (-1 for -inf).
+2. kernels/indexer/select.py picks each row's top k of those keys (a tree
+   of in-register radix selects, exact, ties to the lower id).
 
 Why this shape. At V4-Flash's 64 heads and Di 128 in bf16 the product is
 ~64 FLOP per key byte, under the H200's ~200 FLOP/B ridge: the scoring is
@@ -43,11 +35,8 @@ program amortize that reload and let the loop pipeline its gathers
 (num_stages; cp.async needs the cache strides divisible by 16, which Triton
 learns from the launch); the chunk count per row comes from host ints only
 (rows, entries, SM count) so the grid is fixed for a CUDA graph. On an H200
-(benchmarks/bench_v4_indexer.py) the scoring reads keys at ~76% of the
-measured read bandwidth at 64 rows of 64k context. The select is latency
-bound: one program scans its row up to 5 times, ~50 us at 16k entries
-whatever the batch: two thirds of the scoring's time at 64 rows of 64k
-context, most of the op at one row.
+(benchmarks/bench_v4_indexer.py) the scoring reads keys at ~77% of the
+measured read bandwidth at 64 rows of 64k context.
 
 Graph safety: no host reads of device tensors; grid, chunking and buffer
 sizes come from host ints (rows, max_seq_len); the key buffer comes from the
@@ -68,11 +57,10 @@ import triton.language as tl
 
 from tinyengine.kernels.compressor.reference import entry_tables
 from tinyengine.kernels.device_fn import device_fn
-from tinyengine.kernels.indexer.reference import NEG_INF_HI, unpack_picks
+from tinyengine.kernels.indexer.reference import unpack_picks
+from tinyengine.kernels.indexer.select import select_scratch, select_topk
 from tinyengine.kernels.launch import dot_precision, interpreting, num_sms
 from tinyengine.kernels.sparse_attention.rows import query_rows, rows_per_block, scratch
-
-_NEG_INF_HI = tl.constexpr(NEG_INF_HI)
 
 # Tiles, from benchmarks/bench_v4_indexer.py --sweep on an H200 (V4-Flash,
 # B=1 and 64 at 64k context). Scoring: 64 entries, one warpgroup, two stages.
@@ -81,10 +69,6 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 _MAX_TILES_PER_PROGRAM = 16  # caps the query reload saving, keeps enough programs
 _PROGRAMS_PER_SM = 8  # aim: this many programs per SM, so the last wave is short
-# Select: 4096 keys a step (fewer steps of a latency-bound scan), 8 warps.
-_SELECT_BLOCK = 4096
-_SELECT_WARPS = 8
-_DIGIT = 8  # bits of the score resolved per radix pass
 # An eager step's keys per row block at most (or what the arena holds, if
 # more): 1024 rows at 64k context.
 _KEYS_BUDGET = 128 << 20
@@ -158,77 +142,6 @@ def _score_kernel(
         tl.store(out_row + entry, _pack_keys(hidden, entry), mask=entry < end)
 
 
-@device_fn
-def _score_order(key):
-    """The score field of packed keys as an int64 in [0, 2^32), same order
-    (the signed high half + 2^31, written so that no constant is a uint32)."""
-    return ((key >> 32) + 2147483647) + 1
-
-
-@triton.jit(do_not_specialize=["num_entries", "k"])
-def _select_kernel(
-    keys_ptr, chosen_ptr, out_ptr, num_entries, k, stride_kt, stride_ct, stride_ot,
-    TOPK: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr, DIGIT: tl.constexpr,
-):  # fmt: skip
-    """Grid (rows,): out[row, :TOPK] <- ids of the k largest of the row's
-    num_entries keys, largest first, -1 for -inf scores and past k.
-
-    Radix select on the 32-bit score field u, DIGIT bits a pass from the top:
-    a histogram of the next digit over the keys whose higher digits match
-    the prefix found so far, then the bin where the count from the top
-    reaches `need`. It stops once every key of the prefix's group is needed
-    or all 32 bits are resolved (the group is then one score). Keys above the
-    group are in; of the group the `need` lowest ids, i.e. the first met in
-    id order (the packed order of equal scores). They are compacted into
-    chosen[row] and sorted (bitonic, in registers)."""
-    row = tl.program_id(0)
-    row_keys = keys_ptr + row.to(tl.int64) * stride_kt
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 1 << DIGIT)
-    zero = row * 0
-    prefix = zero.to(tl.int64)
-    shift = zero.to(tl.int64) + 32
-    need = zero + k
-    group = zero + num_entries
-    while (shift > 0) & (need < group):
-        shift -= DIGIT
-        hist = tl.zeros([1 << DIGIT], tl.int32)
-        for e0 in range(0, num_entries, BLOCK):
-            e = e0 + offs
-            u = _score_order(tl.load(row_keys + e, mask=e < num_entries, other=0))
-            digit = ((u >> shift) & ((1 << DIGIT) - 1)).to(tl.int32)
-            inside = (e < num_entries) & ((u >> (shift + DIGIT)) == prefix)
-            hist += tl.histogram(digit, 1 << DIGIT, mask=inside)
-        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher bins
-        hit = (above < need) & (above + hist >= need)  # exactly one bin
-        b = tl.max(tl.where(hit, bins, -1), 0)
-        need -= tl.sum(tl.where(bins == b, above, 0), 0)
-        group = tl.sum(tl.where(bins == b, hist, 0), 0)
-        prefix = (prefix << DIGIT) + b
-    taken = zero
-    ties = zero
-    chosen_row = chosen_ptr + row.to(tl.int64) * stride_ct
-    for e0 in range(0, num_entries, BLOCK):
-        e = e0 + offs
-        valid = e < num_entries
-        key = tl.load(row_keys + e, mask=valid, other=0)
-        level = _score_order(key) >> shift
-        tie = (valid & (level == prefix)).to(tl.int32)
-        rank = ties + tl.cumsum(tie, 0) - tie  # among the group, in id order
-        sel = (valid & ((level > prefix) | ((tie > 0) & (rank < need)))).to(tl.int32)
-        tl.store(chosen_row + taken + tl.cumsum(sel, 0) - sel, key, mask=sel > 0)
-        taken += tl.sum(sel, 0)
-        ties += tl.sum(tie, 0)
-    tl.debug_barrier()  # the compacted keys, stored by all threads, are read back
-    kk = tl.arange(0, K_POW2)
-    best = tl.sort(tl.load(chosen_row + kk, mask=kk < k, other=-9223372036854775808),
-                   descending=True)  # fmt: skip
-    low = best - ((best >> 32) << 32)
-    ids = 4294967296 - (low + 1)
-    ids = tl.where(((best >> 32) == _NEG_INF_HI) | (kk >= k), -1, ids)
-    tl.store(out_ptr + row.to(tl.int64) * stride_ot + kk, ids, mask=kk < TOPK)
-
-
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -255,7 +168,7 @@ def indexer_topk(
     if not rows.eager:  # graph-shaped: one launch, whatever the rows
         return rows_topk(q, weights, key_cache, rows.seq_lens, tables, **kwargs)
     # An eager step's rows in blocks whose keys fit (the module docstring).
-    row_bytes = 8 * (num_entries + triton.next_power_of_2(topk))
+    row_bytes = sum(8 * shape[1] for shape, _ in _scratch_specs(1, num_entries, topk))
     step = rows_per_block(rows.num_rows, row_bytes, _KEYS_BUDGET, workspace)
     out = torch.empty(q.shape[0], topk, dtype=torch.long, device=q.device)
     for r0 in range(0, rows.num_rows, step):
@@ -291,10 +204,9 @@ def rows_topk(
     eager: the step is never captured (rows.scratch). select="torch":
     torch.topk on the keys instead of the radix-select kernel (benchmarks).
     `overrides` go to score_entries."""
-    specs = (((q.shape[0], num_entries), torch.int64),
-             ((q.shape[0], triton.next_power_of_2(topk)), torch.int64))  # fmt: skip
     # One request: a later get would reuse the keys' bytes.
-    keys, chosen = scratch(workspace, specs, q.device, eager)
+    specs = _scratch_specs(q.shape[0], num_entries, topk)
+    keys, *select_buffers = scratch(workspace, specs, q.device, eager)
     score_entries(
         q, weights, key_cache, seq_lens, tables, ratio=ratio, scale=scale,
         block_size=block_size, num_entries=num_entries, seqs=seqs, out=keys, **overrides,
@@ -304,36 +216,12 @@ def rows_topk(
         picks = unpack_picks(torch.topk(keys, k, dim=1).values)
         picks = F.pad(picks, (0, topk - k), value=-1) if k < topk else picks
         return picks if out is None else out.copy_(picks)
-    return select_topk(keys, topk, chosen, out=out)
+    return select_topk(keys, topk, select_buffers, out=out)
 
 
-def select_topk(
-    keys: torch.Tensor,
-    topk: int,
-    chosen: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    block: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """int64 [n, topk] entry ids of the min(topk, E) largest packed keys
-    [n, E >= 1] per row, largest first, -1 for -inf scores and past E: what
-    unpack_picks(torch.topk(keys, ...).values) gives; into `out` (rows of
-    contiguous ids) when given. chosen: int64 scratch
-    [n, >= next_power_of_2(topk)]."""
-    n, num_entries = keys.shape
-    if out is None:
-        out = torch.empty(n, topk, dtype=torch.int64, device=keys.device)
-    elif out.shape != (n, topk) or out.stride(1) != 1:
-        raise ValueError(f"indexer: out {tuple(out.shape)} must be [{n}, {topk}], rows contiguous")
-    if n:
-        _select_kernel[(n,)](
-            keys, chosen, out, num_entries, min(topk, num_entries),
-            keys.stride(0), chosen.stride(0), out.stride(0),
-            TOPK=topk, K_POW2=triton.next_power_of_2(topk), BLOCK=block or _SELECT_BLOCK,
-            DIGIT=_DIGIT, num_warps=num_warps or _SELECT_WARPS,
-        )  # fmt: skip
-    return out
+def _scratch_specs(n: int, num_entries: int, topk: int) -> list:
+    """(shape, dtype) of rows_topk's scratch: the keys, then the select's."""
+    return [((n, num_entries), torch.int64), *select_scratch(n, num_entries, topk)]
 
 
 def score_entries(
