@@ -11,8 +11,8 @@ scoring kernel alone, its radix select alone, torch.topk on the same keys
 key bytes read (visible entries x Di x 2 bytes x rows) / time, next to the
 GPU's read bandwidth measured in the same run (a 4 GB bf16 tensor's .sum()).
 --sweep times the scoring kernel over tile shapes and chunking and the
-select kernel over its block and warps, at 64k context, to tune the
-defaults in kernels/indexer/triton.py.
+select over its chunk, warps and radix digit, at 64k context, to tune the
+defaults in kernels/indexer/triton.py and select.py.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def sweep(case: Case, read_tbs: float) -> None:
     ]
     _best(case, read_tbs, "scoring", configs, case.scores)
     keys = case.scores()
-    configs = [dict(chunk=c, num_warps=w) for c, w in SELECT_CONFIGS]
+    configs = [dict(chunk=c, num_warps=w, digit=d) for (c, w), d in
+               itertools.product(SELECT_CONFIGS, (4, 5, 8))]  # fmt: skip
     _best(case, read_tbs, "select", configs,
           lambda **cfg: sel.select_topk(keys, TOPK, **cfg))  # fmt: skip
 

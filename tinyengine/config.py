@@ -79,8 +79,9 @@ class EngineConfig:
     async_scheduling: bool = True
     # Batch-invariant mode (docs/batch_invariance.md): a request's tokens and
     # logprobs are bitwise the same whatever else is in the batch, however
-    # its prompt is chunked, cached or recomputed. So far with the torch op
-    # set ("auto" picks it), eager steps (no CUDA graphs): check_batch_invariant.
+    # its prompt is chunked, cached or recomputed. On a GPU the Triton op set
+    # keeps it with CUDA graphs for the Llama family in bf16/fp16; elsewhere
+    # "auto" picks the torch op set, eager steps (check_batch_invariant).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -192,7 +193,7 @@ class EngineConfig:
         preference, e.g. whole-page TMA loads), else 16."""
         if self.block_size is None:
             self.block_size = 16
-            if device == "cuda" and self.resolved_attention_backend(device) == "triton":
+            if device == "cuda" and self.resolved_attention_backend(device, hf_config) == "triton":
                 from tinyengine.models.registry import get_model_class
 
                 self.block_size = getattr(get_model_class(hf_config), "cuda_block_size", 16)
@@ -206,24 +207,47 @@ class EngineConfig:
         from tinyengine.models.registry import get_model_class
 
         model_class = get_model_class(hf_config)
+        backend = self.resolved_attention_backend(device, hf_config)
         why = None
-        if self.resolved_attention_backend(device) != "torch":
-            why = "it runs with the torch op set so far (attention_backend='torch')"
-        elif self.graph_backend == "recording":
-            why = "its attention needs eager steps (graph_backend='auto')"
-        elif not getattr(model_class, "batch_invariant_ok", False):
+        if not getattr(model_class, "batch_invariant_ok", False):
             why = f"it does not cover {model_class.__name__} yet"
+        elif backend == "triton" and not self._triton_invariant(hf_config, device):
+            why = (f"its Triton ops cover the Llama family in bfloat16/float16 on a GPU; "
+                   f"use attention_backend='torch' for {model_class.__name__} here")  # fmt: skip
+        elif backend == "torch" and self.graph_backend == "recording":
+            why = "its torch ops need eager steps (graph_backend='auto')"
         elif device == "cuda" and getattr(model_class, "batch_invariant_cpu_only", False):
             why = (f"{model_class.__name__} runs each query row alone in this mode, which "
                    "is too slow on a GPU to serve; use device='cpu' for now")  # fmt: skip
         if why:
             raise ValueError(f"EngineConfig.batch_invariant=True is not available here: {why}")
 
-    def resolved_attention_backend(self, device: str) -> str:
+    def _triton_invariant(self, hf_config: dict[str, Any] | None, device: str) -> bool:
+        """Whether the batch-invariant Triton ops (kernels/batch_invariant_triton.py)
+        cover this model: on a GPU, a model class that says so, 16-bit weights."""
+        if device != "cuda" or hf_config is None:
+            return False
+        import torch
+
+        from tinyengine.models.registry import get_model_class
+
+        return bool(getattr(get_model_class(hf_config), "batch_invariant_triton", False)) and (
+            self.resolved_dtype(hf_config, device) in (torch.bfloat16, torch.float16)
+        )
+
+    def resolved_attention_backend(
+        self, device: str, hf_config: dict[str, Any] | None = None
+    ) -> str:
+        """The op set "auto" stands for: Triton on a GPU, torch on a CPU; in
+        batch-invariant mode torch unless the invariant Triton ops cover the
+        model (hf_config says which)."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        # The batch-invariant ops exist for the torch set so far (check_batch_invariant).
-        return "triton" if device == "cuda" and not self.batch_invariant else "torch"
+        if device != "cuda":
+            return "torch"
+        if self.batch_invariant and not self._triton_invariant(hf_config, device):
+            return "torch"
+        return "triton"
 
     def resolved_dtype(self, hf_config: dict[str, Any], device: str):  # -> torch.dtype
         import torch

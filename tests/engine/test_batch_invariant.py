@@ -162,7 +162,7 @@ def test_the_mode_still_matches_hf(model):
 @pytest.mark.parametrize(
     ("architecture", "config", "message"),
     [
-        ("LlamaForCausalLM", {"attention_backend": "triton"}, "torch op set"),
+        ("LlamaForCausalLM", {"attention_backend": "triton"}, "on a GPU"),
         ("LlamaForCausalLM", {"graph_backend": "recording"}, "eager steps"),
     ],
 )
@@ -173,6 +173,32 @@ def test_where_the_mode_is_not_built_yet_it_says_so(tmp_path, architecture, conf
     with pytest.raises(ValueError, match="batch_invariant=True is not available here") as err:
         LLM(str(tmp_path), **{**ENGINE, **config})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "dtype", "backend"),
+    [("LlamaForCausalLM", "auto", "triton"), ("Qwen3ForCausalLM", "float16", "triton"),
+     ("LlamaForCausalLM", "float32", "torch"), ("DeepseekV3ForCausalLM", "auto", "torch")],
+)  # fmt: skip
+def test_auto_picks_the_invariant_triton_ops_where_they_cover_the_model(architecture, dtype,
+                                                                        backend):  # fmt: skip
+    # Decided without a GPU: the architecture, the dtype and the device suffice.
+    from tinyengine.config import EngineConfig
+
+    hf_config = {"architectures": [architecture]}
+    config = EngineConfig(model="unused", batch_invariant=True, dtype=dtype)
+    assert config.resolved_attention_backend("cuda", hf_config) == backend
+    config.check_batch_invariant(hf_config, "cuda")  # every case above is served
+    assert EngineConfig(model="unused", dtype=dtype).resolved_attention_backend(
+        "cuda", hf_config) == "triton"  # fmt: skip
+
+
+def test_triton_ops_asked_for_a_model_they_do_not_cover_are_refused():
+    from tinyengine.config import EngineConfig
+
+    config = EngineConfig(model="unused", batch_invariant=True, attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend='torch' for DeepseekV3ForCausalLM"):
+        config.check_batch_invariant({"architectures": ["DeepseekV3ForCausalLM"]}, "cuda")
 
 
 def test_deepseek_v4_is_refused_on_a_gpu():
@@ -187,19 +213,29 @@ def test_deepseek_v4_is_refused_on_a_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek-v3"])
 def test_gpu_the_needle_is_bitwise_the_same_in_any_batch(name, tmp_path_factory):
-    # On a GPU the mode picks the torch op set and eager steps (cuBLAS and
-    # torch's CUDA kernels at fixed shapes); no graph is captured.
+    # The Llama family runs the invariant Triton ops with CUDA graphs (a
+    # decode step alone replays the 1-row graph, among 8 others the 16-row
+    # one, and enforce_eager runs none); DeepSeek-V3 the torch op set, eager.
     path = _build(name, tmp_path_factory.mktemp(name))
-    gpu = dict(ENGINE, device="cuda", num_kv_blocks=512)  # several engines, one after another
+    gpu = dict(ENGINE, device="cuda", num_kv_blocks=512, max_num_seqs=64)
     llm = LLM(path, **gpu)
+    triton = name != "deepseek-v3"
     assert llm.engine.runner.ops.batch_invariant
-    assert not llm.stats()["captured_graph_sizes"]
-    alone = _needle(llm, [], GREEDY)
+    assert llm.engine.runner.ops.name == ("triton" if triton else "torch")
+    assert bool(llm.stats()["captured_graph_sizes"]) == triton
+    alone = {p.seed: _needle(llm, [], p) for p in (GREEDY, SEEDED)}
     del llm
-    for seed, config in enumerate(({}, {"max_num_batched_tokens": 37})):
-        other = LLM(path, **gpu, **config)
-        others = _others(8 if seed == 0 else 4, seed)
-        assert _needle(other, others, GREEDY, seed=seed) == alone, config
+    cases = [({}, 8), ({"max_num_batched_tokens": 37}, 4), ({"enforce_eager": True}, 8),
+             ({"num_kv_blocks": 40, "block_size": 8, "max_num_seqs": 12}, 12)]  # fmt: skip
+    if triton:
+        cases.append(({}, 40))
+    for seed, (config, num_others) in enumerate(cases):
+        other = LLM(path, **{**gpu, **config})
+        for params in (GREEDY, SEEDED):
+            got = _needle(other, _others(num_others, seed), params, seed=seed)
+            assert got == alone[params.seed], (config, num_others, params.seed)
+        if "block_size" in config:
+            assert other.stats()["num_preemptions"] > 0
         del other

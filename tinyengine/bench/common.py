@@ -81,6 +81,7 @@ _ENGINE_FLAGS = (
     "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "num_kv_blocks", "block_size", "gpu_memory_utilization", "attention_backend",
     "cuda_graph_sizes", "graph_backend", "enforce_eager", "enable_prefix_caching", "seed",
+    "batch_invariant",
 )  # fmt: skip
 
 
@@ -138,6 +139,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, doc: str | None) -> No
         dest="enable_prefix_caching",
         action="store_false",
         default=None,
+    )
+    g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="batch-invariant mode (docs/batch_invariance.md)",
     )
 
 

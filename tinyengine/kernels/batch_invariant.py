@@ -242,7 +242,13 @@ def fused_moe(
 
 
 def batch_invariant_ops(base: Any) -> Any:
-    """The torch op set `base` with its batch-dependent ops replaced."""
+    """The op set `base` with its batch-dependent ops replaced: the Triton
+    set's by kernels/batch_invariant_triton.py's, the torch set's by this
+    module's."""
+    if base.name == "triton":
+        from tinyengine.kernels.batch_invariant_triton import batch_invariant_triton_ops
+
+        return batch_invariant_triton_ops(base)
     from tinyengine.kernels.batch_invariant_v4 import with_v4_ops  # it imports this module
 
     linear, linear_silu_mul = invariant_linears(base)

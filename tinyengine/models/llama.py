@@ -211,8 +211,10 @@ class LlamaModel(DecoderStack):
 
 class LlamaForCausalLM(CausalLM):
     # Every op with a batch-dependent result goes through the op set, which
-    # EngineConfig.batch_invariant swaps (kernels/batch_invariant.py).
+    # EngineConfig.batch_invariant swaps (kernels/batch_invariant.py), on a
+    # GPU for the invariant Triton ops (kernels/batch_invariant_triton.py).
     batch_invariant_ok = True
+    batch_invariant_triton = True
     # Checkpoint module name -> (fused module name, shard id in it).
     packed_modules_mapping: dict[str, tuple[str, Any]] = {
         "q_proj": ("qkv_proj", "q"),

@@ -60,7 +60,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.workspace = Workspace(self.device)
         # Every op the model and the sampler call, chosen once (kernels/opset.py).
-        backend = config.resolved_attention_backend(self.device.type)
+        backend = config.resolved_attention_backend(self.device.type, hf_config)
         self.ops = choose_ops(backend, self.device.type)
         if config.batch_invariant:
             self.ops = batch_invariant_ops(self.ops)
@@ -338,8 +338,8 @@ class ModelRunner:
                 "enforce_eager" if self.config.enforce_eager else "graph_backend='none'"
             )
             return False
-        if self.config.batch_invariant:  # its ops read lengths on the host
-            self.capture_skip_reason = "batch_invariant"
+        if self.config.batch_invariant and self.ops.name == "torch":
+            self.capture_skip_reason = "batch_invariant (torch ops read lengths on the host)"
             return False
         if self.config.graph_backend != "recording" and self.device.type != "cuda":
             self.capture_skip_reason = "no CUDA device"
