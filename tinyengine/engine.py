@@ -249,6 +249,9 @@ class LLMEngine:
             # By identity: a request finished during the step may have had its
             # id reused since, by one that must not be dropped.
             if scheduler.requests.get(request.request_id) is request:
+                # Its blocks may be indexed for prefix hits that the failed step
+                # never computed (BlockManager.cache_scheduled_blocks).
+                scheduler.block_manager.uncache(request)
                 self.abort_request(request.request_id)
                 dropped.append(request.request_id)
         return dropped

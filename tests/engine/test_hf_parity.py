@@ -81,6 +81,13 @@ def test_greedy_matches_hf(model_and_reference, name):
         assert stats["num_preemptions"] > 0
     if name == "chunked":
         assert stats["num_steps"] > MAX_NEW + 4  # 60-token prompt alone needs 4 chunks
+    if name == "default":
+        # Every prompt fits the first step (CPU budget: 512 tokens), so the
+        # shared-prefix prompts after the first hit the blocks it fills in
+        # that very step: two 16-token blocks each, one for the 32-token one
+        # (whose last token must still run).
+        assert [o.num_cached_tokens for o in outs[-4:]] == [0, 32, 32, 16]
+        assert stats["prefix_cache_hit_tokens"] == 80
 
 
 def test_prefix_cache_hits_give_same_tokens(model_and_reference):

@@ -142,3 +142,28 @@ def test_waiting_requests_of_others_survive_a_failed_step(llama_path, want, monk
         _assert_clean(llm)
         assert _generate(llm) == want
         _assert_clean(llm)
+
+
+def test_a_failed_step_leaves_no_prefix_hit_on_kv_it_never_wrote(llama_path, monkeypatch):
+    """Blocks become prefix hits when the step that fills them is planned
+    (BlockManager.cache_scheduled_blocks). When that step's forward raises,
+    its K/V was never written: the dropped requests' blocks leave the index,
+    and the same prompts afterwards compute them again."""
+    shared = PROMPTS[3][:32]
+    prompts = [shared + [7], shared + [9]]
+
+    def generate(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    want_shared = generate(LLM(llama_path, async_scheduling=False, **BASE))
+    for async_scheduling in (True, False):
+        llm = LLM(llama_path, async_scheduling=async_scheduling, **BASE)
+        _bound_steps(monkeypatch, llm)
+        _fail_once(monkeypatch, llm.engine.runner.model, "forward", 1)
+        with pytest.raises(InjectedFault):
+            generate(llm)
+        assert not llm.engine.scheduler.block_manager.cached
+        assert generate(llm) == want_shared
+        assert llm.stats()["prefix_cache_hit_tokens"] > 0  # the second prompt hit the first
+        _assert_clean(llm)

@@ -178,8 +178,28 @@ class Sim:
 
     # --- the fake forward pass ---
 
-    def forward(self, out: SchedulerOutput) -> list[int | None]:
+    def forward(self, out: SchedulerOutput, cached_before: set[int], fresh: set[int]) -> list:
+        """The step as a model runs it: every scheduled token is written to the
+        cache first (within a layer all cache writes precede attention), then
+        each row reads its context back. `cached_before`: the blocks indexed
+        before the step was planned; none may be written unless the plan
+        allocated it afresh (`fresh`: evicting its old content). A block the
+        plan's own chunks fill is indexed when planned, so a row admitted
+        after its writer may already share it (a same-step prefix hit)."""
         bs = self.block_size
+        for s in out.scheduled:
+            r, table = s.request, s.request.block_ids
+            for p in range(s.start, s.start + s.num_new_tokens):
+                block = self.bm.blocks[table[p // bs]]
+                assert block.block_id in fresh or block.block_id not in cached_before, (
+                    f"{r.request_id} overwrites cached {block}"
+                )
+                assert block.ref_count == 1 or block.block_hash is not None, (
+                    f"{r.request_id} writes into shared {block}"
+                )
+                self.shadow[(block.block_id, p % bs)] = r.all_token_ids[p]
+            if self.sliding_keep is not None:
+                self._window_forward(s)
         sampled: list[int | None] = []
         for s in out.scheduled:
             r, table = s.request, s.request.block_ids
@@ -190,13 +210,6 @@ class Sim:
                     f"{r.request_id}: position {p} claimed computed but slot {slot} holds "
                     f"{self.shadow.get(slot)}, want {r.all_token_ids[p]}"
                 )
-            for p in range(s.start, s.start + s.num_new_tokens):
-                block = self.bm.blocks[table[p // bs]]
-                assert block.ref_count == 1, f"{r.request_id} writes into shared {block}"
-                assert block.block_hash is None, f"{r.request_id} overwrites cached {block}"
-                self.shadow[(block.block_id, p % bs)] = r.all_token_ids[p]
-            if self.sliding_keep is not None:
-                self._window_forward(s)
             if s.samples:
                 context = [self.shadow[(table[p // bs], p % bs)] for p in range(r.num_tokens)]
                 if self.sliding_keep is not None:  # the tail comes from the sliding group
@@ -237,14 +250,21 @@ class Sim:
         self.check()
 
     def step(self, abort_mid_step: str | None = None) -> SchedulerOutput:
-        out = self.sched.schedule()
+        cached_before = set(self.bm.cached.values())
+        fresh: set[int] = set()  # blocks the plan takes from the free queue
+        pool, pop_free = self.bm.pool, self.bm.pool.pop_free
+        pool.pop_free = lambda: fresh.add(block := pop_free()) or block
+        try:
+            out = self.sched.schedule()
+        finally:
+            del pool.pop_free  # the method again
         self.history.append(out)
         self.check_plan(out)
         if out.is_empty:
             assert not self.sched.has_unfinished_requests(), "stalled with work left"
             self.sampled_history.append([])
             return out
-        sampled = self.forward(out)
+        sampled = self.forward(out, cached_before, fresh)
         self.sampled_history.append(sampled)
         if abort_mid_step is not None:
             # The async engine may abort while a step runs.

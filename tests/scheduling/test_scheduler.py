@@ -281,17 +281,83 @@ def test_prefix_cache_hit_after_the_first_request_computed_it() -> None:
     assert_matches_reference(sim, [a, b, c])
 
 
-def test_same_step_identical_prompts_do_not_hit_each_other() -> None:
+def test_same_step_identical_prompts_hit_each_other() -> None:
+    # b is admitted after a in the same step: a's chunk fills two blocks,
+    # indexed as the chunk is planned, so b computes only its last token.
     sim = Sim(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     a = make_request("a", list(range(9)), max_tokens=2)
     b = make_request("b", list(range(9)), max_tokens=2)
     sim.add(a)
     sim.add(b)
-    assert rows(sim.step()) == [("a", 0, 9), ("b", 0, 9)]
-    assert sim.sched.stats.prefix_cache_hit_tokens == 0
+    assert rows(sim.step()) == [("a", 0, 9), ("b", 8, 1)]
+    assert sim.sched.stats.prefix_cache_hit_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
     sim.run()
     assert a.output_token_ids == b.output_token_ids
     assert_matches_reference(sim, [a, b])
+
+
+def test_same_step_hits_follow_a_chunked_writer_block_by_block() -> None:
+    # a's prompt goes in 6-token chunks: b, admitted beside each chunk, hits
+    # only the blocks a's chunks so far fill.
+    sim = Sim(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    a = make_request("a", list(range(14)), max_tokens=2)
+    sim.add(a)
+    assert rows(sim.step()) == [("a", 0, 8)]
+    b = make_request("b", list(range(14)) + [99], max_tokens=2)
+    sim.add(b)
+    # a's second chunk (6 tokens) fills block 2 and part of 3; b hits blocks 0-2.
+    assert rows(sim.step()) == [("a", 8, 6), ("b", 12, 2)]
+    sim.run()
+    assert_matches_reference(sim, [a, b])
+
+
+def test_a_same_step_hit_survives_its_writer_aborted_while_the_step_runs() -> None:
+    sim = Sim(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = make_request("a", list(range(12)) + [1], max_tokens=3)
+    b = make_request("b", list(range(12)) + [2], max_tokens=3)
+    sim.add(a)
+    sim.add(b)
+    sim.step(abort_mid_step="a")  # the step computed a's blocks; b holds them
+    assert b.num_cached_tokens == 12
+    sim.run()
+    assert_matches_reference(sim, [b])
+
+
+def test_a_failed_step_leaves_no_uncomputed_block_to_hit() -> None:
+    # The engine drops a failed step's requests (LLMEngine.drop_failed_step),
+    # uncaching their blocks first: the K/V the step was to write may be missing.
+    sim = Sim(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = make_request("a", list(range(12)) + [1], max_tokens=3)
+    b = make_request("b", list(range(12)) + [2], max_tokens=3)
+    sim.add(a)
+    sim.add(b)
+    out = sim.sched.schedule()  # planned, never run
+    assert b.num_cached_tokens == 12 and len(sim.bm.cached) == 3
+    for s in out.scheduled:
+        sim.bm.uncache(s.request)
+        sim.abort(s.request.request_id)
+    assert not sim.bm.cached
+    c = make_request("c", list(range(12)) + [3], max_tokens=2)
+    sim.add(c)
+    assert rows(sim.step()) == [("c", 0, 13)]
+    sim.run()
+    assert_matches_reference(sim, [c])
+
+
+def test_a_sliding_group_indexes_blocks_only_after_their_step() -> None:
+    # DeepSeek-V4's cache groups (BlockManager docstring): no same-step hits.
+    sim = Sim(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+              sliding_keep=4)  # fmt: skip
+    a = make_request("a", list(range(9)), max_tokens=2)
+    b = make_request("b", list(range(9)), max_tokens=2)
+    sim.add(a)
+    sim.add(b)
+    assert rows(sim.step()) == [("a", 0, 9), ("b", 0, 9)]
+    c = make_request("c", list(range(9)), max_tokens=2)
+    sim.add(c)
+    assert ("c", 8, 1) in rows(sim.step())  # after the step: a hit
+    sim.run()
+    assert_matches_reference(sim, [a, b, c])
 
 
 def test_preempted_request_resumes_from_its_own_cached_blocks() -> None:

@@ -23,11 +23,19 @@ Prefix caching. A *full* block's identity is a hash chain over content:
 hash(parent block's hash || this block's token ids), so equal hashes mean equal
 whole prefixes, not just equal blocks. The hash is a 128-bit BLAKE2b digest, so
 a collision (which would silently serve another prompt's K/V) is not a
-practical concern — the reason we do not use Python's 64-bit `hash`. Only
-blocks whose every token has been *computed* are indexed, in every group
-under the same hash. A prefix of k blocks is a hit when the full-history
-group has all k and the sliding group has those among them that reach the
-last `keep` positions of the prefix: exactly what the next chunk reads.
+practical concern — the reason we do not use Python's 64-bit `hash`. A block
+is indexed, in every group under the same hash, once the step that fills it
+is scheduled (`cache_scheduled_blocks`), so a request admitted later in the
+same step already hits it: that step computes it before anything reads it
+(within each layer every cache write comes before the attention that reads
+the cache), and every later step runs after it. If that step fails, the
+engine drops its requests and `uncache`s their blocks first. With a sliding
+group (DeepSeek-V4) blocks are indexed only after their step ran: its
+compressor pools windows that straddle the boundary from state rows written
+in the same launch, an order the same-step rule does not cover. A prefix of
+k blocks is a hit when the full-history group has all k and the sliding
+group has those among them that reach the last `keep` positions of the
+prefix: exactly what the next chunk reads.
 """
 
 from __future__ import annotations
@@ -212,6 +220,25 @@ class BlockManager:
         request.block_ids = []
         request.window_block_ids = []
         request.num_released_blocks = 0
+        request.num_indexed_blocks = 0
+
+    def cache_scheduled_blocks(self, request: Request) -> None:
+        """After `request`'s chunk was put in the step being planned (its
+        tokens already count as computed): index the blocks that chunk fills,
+        for same-step prefix hits (module docstring). Not with a sliding
+        group, whose blocks advance() indexes after the step."""
+        if self.window_pool is None:
+            self.cache_full_blocks(request)
+
+    def uncache(self, request: Request) -> None:
+        """Drop the request's blocks from the prefix index: the step that was to
+        compute them failed, so their K/V may never have been written. Blocks
+        other live requests hold stay theirs; only the index forgets them."""
+        for block_id in request.block_ids:
+            self.pool.forget(block_id)
+        for block_id in request.window_block_ids:
+            if block_id != NULL_BLOCK:
+                self.window_pool.forget(block_id)
         request.num_indexed_blocks = 0
 
     def cache_full_blocks(self, request: Request) -> None:

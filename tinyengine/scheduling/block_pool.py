@@ -76,6 +76,14 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block_id
 
+    def forget(self, block_id: int) -> None:
+        """Drop a block's hash from the index (its content cannot be trusted);
+        a later release puts it first in the free queue, like any uncached block."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+
     def check(self, refs: list[int]) -> None:
         """Raise AssertionError unless the bookkeeping matches `refs` (the
         live requests' references per block)."""

@@ -15,7 +15,8 @@ step), and the scheduler hands out at most `max_num_batched_tokens` of them:
      blocks allow, in the fair order of the WaitingQueue (waiting_queue.py):
      first-come-first-served within a group of requests submitted together,
      the group running the fewest requests first across groups. Their cached
-     prefix (full blocks found in the prefix cache) is skipped, not recomputed.
+     prefix (full blocks found in the prefix cache) is skipped, not recomputed,
+     including blocks a request planned earlier in the same step fills.
 When a running request cannot get a block, the newest running request is
 preempted: its blocks are freed and it goes back to the head of its group's
 queue, to be recomputed from its tokens later. Greedy and seeded sampling make
@@ -254,14 +255,16 @@ class Scheduler:
             return None
         return next(r for r in reversed(self.running) if r.group == group)
 
-    @staticmethod
-    def _schedule(out: SchedulerOutput, request: Request, n: int) -> None:
-        """Put n tokens of `request` in the plan and count them as computed."""
+    def _schedule(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        """Put n tokens of `request` in the plan and count them as computed;
+        the blocks they fill become prefix hits for requests admitted after
+        it, this step included (BlockManager.cache_scheduled_blocks)."""
         sched = ScheduledRequest(request, n, request.num_computed_tokens)
         out.scheduled.append(sched)
         request.num_computed_tokens += n
         if sched.samples:
             request.num_inflight += 1
+        self.block_manager.cache_scheduled_blocks(request)
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, n):
