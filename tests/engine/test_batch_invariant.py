@@ -178,7 +178,7 @@ def test_where_the_mode_is_not_built_yet_it_says_so(tmp_path, architecture, conf
 @pytest.mark.parametrize(
     ("architecture", "dtype", "backend"),
     [("LlamaForCausalLM", "auto", "triton"), ("Qwen3ForCausalLM", "float16", "triton"),
-     ("LlamaForCausalLM", "float32", "torch"), ("DeepseekV3ForCausalLM", "auto", "torch")],
+     ("LlamaForCausalLM", "float32", "torch"), ("DeepseekV3ForCausalLM", "auto", "triton")],
 )  # fmt: skip
 def test_auto_picks_the_invariant_triton_ops_where_they_cover_the_model(architecture, dtype,
                                                                         backend):  # fmt: skip
@@ -197,8 +197,8 @@ def test_triton_ops_asked_for_a_model_they_do_not_cover_are_refused():
     from tinyengine.config import EngineConfig
 
     config = EngineConfig(model="unused", batch_invariant=True, attention_backend="triton")
-    with pytest.raises(ValueError, match="attention_backend='torch' for DeepseekV3ForCausalLM"):
-        config.check_batch_invariant({"architectures": ["DeepseekV3ForCausalLM"]}, "cuda")
+    with pytest.raises(ValueError, match="attention_backend='torch' for DeepseekV4ForCausalLM"):
+        config.check_batch_invariant({"architectures": ["DeepseekV4ForCausalLM"]}, "cuda")
 
 
 def test_deepseek_v4_is_refused_on_a_gpu():
@@ -215,27 +215,27 @@ def test_deepseek_v4_is_refused_on_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek-v3"])
 def test_gpu_the_needle_is_bitwise_the_same_in_any_batch(name, tmp_path_factory):
-    # The Llama family runs the invariant Triton ops with CUDA graphs (a
-    # decode step alone replays the 1-row graph, among 8 others the 16-row
-    # one, and enforce_eager runs none); DeepSeek-V3 the torch op set, eager.
+    # The invariant Triton ops with CUDA graphs: a decode step alone replays
+    # the 1-row graph, among 8 others the 16-row one, and enforce_eager runs
+    # none; MLA's split kernel takes one split per row, the MoE its grouped
+    # GEMMs (kernels/batch_invariant_triton.py).
     path = _build(name, tmp_path_factory.mktemp(name))
-    gpu = dict(ENGINE, device="cuda", num_kv_blocks=512, max_num_seqs=64)
+    # One block size for every engine here (for MLA it picks the tile path).
+    gpu = dict(ENGINE, device="cuda", num_kv_blocks=512, max_num_seqs=64, block_size=16)
     llm = LLM(path, **gpu)
-    triton = name != "deepseek-v3"
     assert llm.engine.runner.ops.batch_invariant
-    assert llm.engine.runner.ops.name == ("triton" if triton else "torch")
-    assert bool(llm.stats()["captured_graph_sizes"]) == triton
+    assert llm.engine.runner.ops.name == "triton"
+    assert llm.stats()["captured_graph_sizes"]
     alone = {p.seed: _needle(llm, [], p) for p in (GREEDY, SEEDED)}
+    preempting = {"num_kv_blocks": 16, "max_num_seqs": 12}  # 256 tokens: it preempts
     del llm
     cases = [({}, 8), ({"max_num_batched_tokens": 37}, 4), ({"enforce_eager": True}, 8),
-             ({"num_kv_blocks": 40, "block_size": 8, "max_num_seqs": 12}, 12)]  # fmt: skip
-    if triton:
-        cases.append(({}, 40))
+             (preempting, 12), ({}, 40)]  # fmt: skip
     for seed, (config, num_others) in enumerate(cases):
         other = LLM(path, **{**gpu, **config})
         for params in (GREEDY, SEEDED):
             got = _needle(other, _others(num_others, seed), params, seed=seed)
             assert got == alone[params.seed], (config, num_others, params.seed)
-        if "block_size" in config:
+        if config is preempting:
             assert other.stats()["num_preemptions"] > 0
         del other

@@ -23,11 +23,20 @@ steps stay CUDA-graph safe:
     run in the same lanes whatever the tile holds (16-row tiles with 4 warps
     spread a row across warps and round differently). No split-KV: a split
     count that follows the batch would change the sum's grouping.
+  - MLA (`mla_decode`): one split per row. The split kernel's tile is the
+    model's alone (kernels/mla/tiles.py); only its split count follows the
+    batch, and a split's keys come from cutting the row's context into that
+    many parts. Every token takes this absorbed form (models/mla.py), a
+    prefill token as the decode row it would be; the per-head projections
+    (`head_matmul`) run on 8-row blocks as in the torch set.
+  - The MoE (`fused_moe`, unchanged): its grouped GEMMs are tensor-core
+    products without split-K (the tile class that follows the token count
+    does not change a row's bits), and each token's K expert rows are summed
+    in slot order by one program.
   - Norms, the RoPE prologue, the activation and the sampler's draw are
     already one program per row with tiles fixed by the model's widths.
 
-Models that call ops this file does not cover yet (MLA, the MoE, DeepSeek-
-V4) run the torch set in this mode (config.resolved_attention_backend).
+DeepSeek-V4 does not run this set yet (config.check_batch_invariant).
 """
 
 from __future__ import annotations
@@ -40,11 +49,12 @@ import torch
 from tinyengine.kernels.activation.triton import silu_and_mul_op
 from tinyengine.kernels.attention.tiles import prefill_config
 from tinyengine.kernels.attention.triton import prefill_attention
-from tinyengine.kernels.batch_invariant import by_row_blocks
+from tinyengine.kernels.batch_invariant import by_row_blocks, head_matmul
 from tinyengine.kernels.gemm.triton import matmul
 from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.gemv.triton import MAX_M, _num_sms, skinny_linear
+from tinyengine.kernels.mla.triton import launch_mla_decode
 
 _MIN_TILE_ROWS = 64  # attention tile rows at least (module docstring)
 # One row on tensor cores: 64 weight rows a program, 128-wide K steps, six
@@ -132,9 +142,27 @@ def paged_attention(
     return out
 
 
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    workspace: Any = None,
+) -> torch.Tensor:
+    """mla/triton.py's mla_decode with one split per row (module docstring)."""
+    return launch_mla_decode(
+        q_latent, q_rope, latent_cache, block_tables, seq_lens, scale,
+        max_seq_len=max_seq_len, workspace=workspace, num_splits=1,
+    )  # fmt: skip
+
+
 def batch_invariant_triton_ops(base: Any) -> Any:
     """The Triton op set `base` (on a GPU) with its batch-dependent ops replaced."""
     return dataclasses.replace(
         base, linear=linear, linear_silu_mul=linear_silu_mul, paged_attention=paged_attention,
-        row_blocks=by_row_blocks,
+        mla_decode=mla_decode, head_matmul=head_matmul, row_blocks=by_row_blocks,
     )  # fmt: skip

@@ -199,8 +199,9 @@ class DeepseekV2ForCausalLM(CausalLM):
     cuda_block_size = 64
     # Every op with a batch-dependent result goes through the op set, and MLA
     # takes its absorbed (decode) form for every token in batch-invariant
-    # mode (kernels/batch_invariant.py).
+    # mode (kernels/batch_invariant.py; on a GPU batch_invariant_triton.py).
     batch_invariant_ok = True
+    batch_invariant_triton = True
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
