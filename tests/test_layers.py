@@ -3,6 +3,7 @@ inside functions alike): imports only point down.
 
     serve/ (HTTP)  >  engine modules (llm, engine, ...)  >  worker/  >  models/  >  kernels/
                                                           >  scheduling/ (no torch)
+                                                models/ and worker/  >  distributed/
 
 and the layers live inside the `tinyengine` package: a top-level `kernels` or
 `models` package would collide with other distributions' import names (Hugging
@@ -27,9 +28,11 @@ LEAF_MODULES = ("tinyengine.config", "tinyengine.sampling_params")
 # layer (a folder under tinyengine/) -> the tinyengine modules it may import
 ALLOWED: dict[str, tuple[str, ...]] = {
     "kernels": ("tinyengine.kernels",),
-    "models": ("tinyengine.kernels", "tinyengine.models"),
+    "distributed": ("tinyengine.distributed",),
+    "models": ("tinyengine.kernels", "tinyengine.models", "tinyengine.distributed"),
     "scheduling": ("tinyengine.scheduling", "tinyengine.sampling_params"),
     "worker": (
+        "tinyengine.distributed",
         "tinyengine.kernels",
         "tinyengine.models",
         "tinyengine.scheduling",

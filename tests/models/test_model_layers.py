@@ -91,11 +91,24 @@ def test_packed_weight_loader_checks_shard_and_shape() -> None:
         packed_weight_loader(qkv.weight, torch.ones(4, 8), "q")
 
 
-def test_tensor_parallel_seam_is_explicit() -> None:
+def test_tensor_parallel_shards_and_refusals() -> None:
+    # The Llama family shards (tests/distributed runs it over processes);
+    # model families without tensor-parallel modules refuse tp_size > 1.
+    model = LlamaForCausalLM(TINY, tp_rank=1, tp_size=2)
+    attn = model.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+    assert tuple(attn.qkv_proj.weight.shape) == (4 * 16, 64)  # 2 q heads + 1 k + 1 v
+    assert tuple(attn.o_proj.weight.shape) == (64, 2 * 16)
+    assert model.kv_cache_spec().num_kv_heads == 1
+    qkv = QKVParallelLinear(8, 2, 4, 2, bias=False, tp_rank=1, tp_size=2)
+    packed_weight_loader(qkv.weight, torch.arange(8.0)[:, None].expand(8, 8), "q")
+    assert qkv.weight[:4, 0].tolist() == [4.0, 5.0, 6.0, 7.0]  # rank 1's two q heads
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible"):
+        LlamaForCausalLM(TINY, tp_rank=0, tp_size=3)
+    from tinyengine.models.deepseek import DeepseekV3ForCausalLM
+
     with pytest.raises(NotImplementedError, match="tp_size=2"):
-        LlamaForCausalLM(TINY, tp_rank=0, tp_size=2)
-    with pytest.raises(NotImplementedError):
-        QKVParallelLinear(8, 2, 4, 2, bias=False, tp_rank=1, tp_size=2)
+        DeepseekV3ForCausalLM({"architectures": ["DeepseekV3ForCausalLM"]}, tp_rank=0, tp_size=2)
 
 
 def test_model_api_shapes() -> None:

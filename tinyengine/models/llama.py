@@ -29,7 +29,6 @@ from tinyengine.models.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
-    check_tp,
 )
 from tinyengine.models.rotary import RotaryEmbedding, get_rope_parameters
 
@@ -118,18 +117,19 @@ class LlamaAttention(nn.Module):
         tp_size: int,
     ) -> None:
         super().__init__()
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = QKVParallelLinear(
             args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads,
             bias=args.qkv_bias, tp_rank=tp_rank, tp_size=tp_size,
         )  # fmt: skip
+        # This rank's heads (all of them at tp_size 1).
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.num_heads = self.q_size // args.head_dim
+        self.num_kv_heads = self.kv_size // args.head_dim
         self.o_proj = RowParallelLinear(
-            self.q_size, args.hidden_size, bias=args.o_bias, tp_rank=tp_rank, tp_size=tp_size
-        )
+            args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias,
+            tp_rank=tp_rank, tp_size=tp_size,
+        )  # fmt: skip
         if args.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -137,9 +137,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(
-            layer_idx, args.num_heads, args.head_dim, args.num_kv_heads,
-            scale=args.head_dim**-0.5, tp_rank=tp_rank, tp_size=tp_size,
-        )  # fmt: skip
+            layer_idx, self.num_heads, args.head_dim, self.num_kv_heads, scale=args.head_dim**-0.5
+        )
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
@@ -230,7 +229,6 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        check_tp(tp_rank, tp_size)
         args = LlamaArgs(
             hf_config, qkv_bias=self._qkv_bias, o_bias=self._o_bias, qk_norm=self._qk_norm
         )
@@ -239,8 +237,9 @@ class LlamaForCausalLM(CausalLM):
         self._add_lm_head(tp_rank, tp_size)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        a = self.args
-        return KVCacheSpec(self.num_attention_layers, a.num_kv_heads, a.head_dim, a.head_dim)
+        """This rank's cache: its KV heads of every layer."""
+        a, attn = self.args, self.model.layers[0].self_attn
+        return KVCacheSpec(self.num_attention_layers, attn.num_kv_heads, a.head_dim, a.head_dim)
 
     def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
         """Token counts whose kernel tile classes warmup must run: none (the

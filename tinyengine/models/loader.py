@@ -67,12 +67,15 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     load_format: str = "auto",
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> nn.Module:
     """Build the model named by hf_config["architectures"][0] directly on
     `device` in `dtype` and fill every parameter: from the checkpoint
     ("safetensors"), or seeded random values ("dummy", models/dummy_weights.py).
     "auto" is safetensors, or dummy for a folder marked as having no weights
-    by design (a dummy-weight preset)."""
+    by design (a dummy-weight preset). tp_rank / tp_size: this rank's shard
+    of a tensor-parallel model (its layers keep their slices of each tensor)."""
     folder = Path(model_path)
     model_cls = get_model_class(hf_config)
     if load_format == "auto":
@@ -82,7 +85,7 @@ def load_model(
     # Find the weights before building: a pickle-only folder fails fast.
     weight_map = checkpoint_weight_map(folder) if load_format == "safetensors" else {}
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config)
+        model = model_cls(hf_config, tp_rank, tp_size)
     if load_format == "dummy":
         init_dummy_weights(model, float(hf_config.get("initializer_range") or 0.02))
     else:

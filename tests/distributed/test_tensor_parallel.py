@@ -1,0 +1,148 @@
+"""Tensor-parallel models on CPU processes (gloo): the Llama family sharded
+over 2 (and 4) ranks gives the one-process model's logits, fp32, for a
+prefill of two sequences (one after a cached prefix) and a decode step.
+
+Each rank is a real process (torch.multiprocessing spawn) with a gloo
+process group; it builds the model with its tp_rank, loads only its slices
+of the safetensors checkpoint (models/layers.py's loaders), runs the torch
+op set over its own paged KV cache (its KV heads), and the row-parallel
+all-reduces, the vocab-parallel embedding and the LM head's all-gather are
+torch.distributed collectives. The layer rules (head split, KV heads
+replicated when fewer than ranks, uneven splits refused) are checked
+without processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.hf_models import make_tiny_hf_model
+from tinyengine.distributed.tp import init_tp, shard
+from tinyengine.kernels import torch_ops
+from tinyengine.models.context import AttentionMetadata, ForwardContext
+from tinyengine.models.layers import first_kv_head, kv_heads_per_rank
+from tinyengine.models.loader import load_hf_config, load_model
+
+BLOCK = 8
+PROMPTS = [[5, 17, 101, 33, 2, 9, 44, 61, 7, 12, 90, 3, 15], [8, 21, 300, 4, 4, 19, 250]]
+CACHED = 8  # sequence 1's first 8 tokens are in the cache before the chunk
+
+
+def _steps(model, num_blocks: int = 16) -> list[torch.Tensor]:
+    """Logits of (1) sequence 0's whole prompt and sequence 1's prefix, (2)
+    sequence 1's rest after its cached prefix beside sequence 0's first
+    decode token (the argmax of step 1), over one paged cache."""
+    spec = model.kv_cache_spec()
+    caches = [
+        (torch.zeros(num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim_k),
+         torch.zeros(num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim_v))
+        for _ in range(spec.num_layers)
+    ]  # fmt: skip
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    ops = torch_ops()
+
+    def run(rows: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """rows: (sequence, token ids, first position) -> logits of each row's last token."""
+        ids, pos, slots, starts, lens = [], [], [], [0], []
+        for seq, tokens, first in rows:
+            ids += tokens
+            for p in range(first, first + len(tokens)):
+                pos.append(p)
+                slots.append(int(tables[seq, p // BLOCK]) * BLOCK + p % BLOCK)
+            starts.append(starts[-1] + len(tokens))
+            lens.append(first + len(tokens))
+        attn = AttentionMetadata(
+            num_tokens=len(ids), num_seqs=len(rows), max_query_len=max(len(r[1]) for r in rows),
+            max_seq_len=max(lens), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            block_tables=tables[[r[0] for r in rows]], slot_mapping=torch.tensor(slots),
+            query_start_loc_cpu=starts, seq_lens_cpu=lens,
+        )  # fmt: skip
+        ctx = ForwardContext(attn, caches, ops)
+        with torch.no_grad():
+            hidden = model(torch.tensor(ids), torch.tensor(pos), ctx)
+            return model.compute_logits(hidden[[s - 1 for s in starts[1:]]], ops)
+
+    first = run([(0, PROMPTS[0], 0), (1, PROMPTS[1][:CACHED], 0)])
+    token = int(first[0].argmax())
+    second = run([(0, [token], len(PROMPTS[0])), (1, PROMPTS[1][CACHED:], CACHED)])
+    return [first, second]
+
+
+def _rank_main(rank: int, size: int, port: int, path: str, out: str) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=size)  # fmt: skip
+        init_tp(rank, size)
+        torch.set_num_threads(1)
+        hf_config = load_hf_config(path)
+        model = load_model(path, hf_config, torch.float32, "cpu", tp_rank=rank, tp_size=size)
+        logits = _steps(model)
+        if rank == 0:
+            torch.save(logits, out)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{out}.rank{rank}.err", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_logits(path: str, size: int, tmp_path) -> list[torch.Tensor]:
+    out = str(tmp_path / f"tp{size}.pt")
+    try:
+        mp.spawn(_rank_main, args=(size, _free_port(), path, out), nprocs=size, join=True)
+    except Exception as exc:
+        errors = [open(f"{out}.rank{r}.err").read() for r in range(size)
+                  if os.path.exists(f"{out}.rank{r}.err")]  # fmt: skip
+        raise AssertionError("a rank failed:\n" + "\n".join(errors)) from exc
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request, tmp_path_factory) -> tuple[str, list[torch.Tensor]]:
+    """(model folder, the one-process model's logits)."""
+    path = str(make_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param)))
+    model = load_model(path, load_hf_config(path), torch.float32, "cpu")
+    return path, _steps(model)
+
+
+def test_two_ranks_give_the_one_process_logits(tiny, tmp_path):
+    path, want = tiny
+    got = _tp_logits(path, 2, tmp_path)
+    for step_got, step_want in zip(got, want, strict=True):
+        torch.testing.assert_close(step_got, step_want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(step_got.argmax(-1), step_want.argmax(-1))
+
+
+def test_four_ranks_replicate_kv_heads_and_give_the_same_logits(tmp_path):
+    path = str(make_tiny_hf_model("llama", tmp_path / "llama"))
+    hf_config = load_hf_config(path)
+    assert hf_config["num_key_value_heads"] < 4  # the case: KV heads replicated
+    want = _steps(load_model(path, hf_config, torch.float32, "cpu"))
+    got = _tp_logits(path, 4, tmp_path)
+    for step_got, step_want in zip(got, want, strict=True):
+        torch.testing.assert_close(step_got, step_want, rtol=1e-5, atol=1e-5)
+
+
+def test_head_and_kv_head_split_rules():
+    assert shard(32, 1, 4, "heads") == (8, 8)
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by"):
+        shard(6, 0, 4, "num_attention_heads")
+    # 8 KV heads over 2 ranks: 4 each; 2 over 4 ranks: one each, replicated.
+    assert [kv_heads_per_rank(8, 2), first_kv_head(8, 1, 2)] == [4, 4]
+    assert [kv_heads_per_rank(2, 4)] + [first_kv_head(2, r, 4) for r in range(4)] == [1, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="must divide or be a multiple"):
+        kv_heads_per_rank(3, 4)

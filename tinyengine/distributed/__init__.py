@@ -1,0 +1,2 @@
+"""Tensor parallelism's process group: tp.py (which rank this process is,
+and the collectives its sharded layers call)."""
