@@ -146,3 +146,47 @@ def test_head_and_kv_head_split_rules():
     assert [kv_heads_per_rank(2, 4)] + [first_kv_head(2, r, 4) for r in range(4)] == [1, 0, 0, 1, 1]
     with pytest.raises(ValueError, match="must divide or be a multiple"):
         kv_heads_per_rank(3, 4)
+
+
+def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
+    """Building rank 1 of 2 needs no process group: its loaders take lazy
+    safetensors slices of every sharded tensor (never the whole tensor) and
+    keep exactly their part of what one process loads."""
+    import tinyengine.models.loader as loader
+
+    path = str(make_tiny_hf_model("qwen2", tmp_path / "qwen2"))  # qkv bias: sliced too
+    hf_config = load_hf_config(path)
+    whole = dict(load_model(path, hf_config, torch.float32, "cpu").named_parameters())
+    real_open, read_whole = loader.safe_open, []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return self.inner.get_slice(name)
+
+        def get_tensor(self, name):
+            read_whole.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    rank1 = dict(load_model(path, hf_config, torch.float32, "cpu", tp_rank=1,
+                            tp_size=2).named_parameters())  # fmt: skip
+    sharded = ("proj", "embed_tokens", "lm_head")
+    assert read_whole and not [n for n in read_whole if any(s in n for s in sharded)]
+    half = whole["model.layers.0.mlp.down_proj.weight"].shape[1] // 2
+    torch.testing.assert_close(rank1["model.layers.0.mlp.down_proj.weight"],
+                               whole["model.layers.0.mlp.down_proj.weight"][:, half:])  # fmt: skip
+    q = rank1["model.layers.0.self_attn.qkv_proj.bias"].shape[0]
+    assert q < whole["model.layers.0.self_attn.qkv_proj.bias"].shape[0]

@@ -62,22 +62,40 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: A
     param.data.copy_(loaded)  # copy_ also casts dtype and moves device
 
 
+def checkpoint_shape(loaded: Any) -> tuple[int, ...]:
+    """The shape of a checkpoint tensor: a torch.Tensor, or a safetensors
+    slice not read yet (what models/loader.py hands a slicing loader)."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def read_part(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """[start, start + length) along `dim` of a checkpoint tensor: narrowed
+    from a tensor, or read from a safetensors slice (only those bytes)."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    index = [slice(None)] * len(loaded.get_shape())
+    index[dim] = slice(start, start + length)
+    return loaded[tuple(index)]
+
+
 def sliced_weight_loader(dim: int, start: int, full: int) -> Any:
     """A loader for this rank's slice of a whole checkpoint tensor: `full`
-    along `dim` in the checkpoint, [start, start + param's size) kept."""
+    along `dim` in the checkpoint, [start, start + param's size) kept; it
+    reads only that part of a safetensors file (`reads_slices`)."""
 
-    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"this parameter is not packed, yet got shard {shard_id!r}")
         want = list(param.shape)
         want[dim] = full
-        if list(loaded.shape) != want:
+        if list(checkpoint_shape(loaded)) != want:
             raise ValueError(
-                f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+                f"shape mismatch: checkpoint has {checkpoint_shape(loaded)}, model expects "
                 f"{tuple(want)} (does config.json match the weights?)"
             )
-        param.data.copy_(loaded.narrow(dim, start, param.shape[dim]))
+        param.data.copy_(read_part(loaded, dim, start, param.shape[dim]))
 
+    load.reads_slices = True  # type: ignore[attr-defined]
     return load
 
 
@@ -94,22 +112,26 @@ class PackedShard:
     full: int
 
 
-def packed_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+def packed_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Any) -> None:
     """Copy one checkpoint tensor (e.g. k_proj), or this rank's rows of it,
     into its rows of a fused parameter (e.g. qkv_proj), using the offsets the
-    layer recorded."""
+    layer recorded; from a safetensors slice it reads only those rows."""
     offsets: dict[Any, PackedShard] = param.shard_offsets  # type: ignore[attr-defined]
     if shard_id not in offsets:
         raise ValueError(f"unknown shard {shard_id!r}; this parameter packs {list(offsets)}")
     where = offsets[shard_id]
-    if loaded.shape[0] != where.full or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+    shape = checkpoint_shape(loaded)
+    if shape[0] != where.full or shape[1:] != tuple(param.shape[1:]):
         raise ValueError(
-            f"shape mismatch for shard {shard_id!r}: checkpoint has {tuple(loaded.shape)}, "
+            f"shape mismatch for shard {shard_id!r}: checkpoint has {shape}, "
             f"model expects ({where.full}, *{tuple(param.shape[1:])})"
         )
     param.data.narrow(0, where.start, where.size).copy_(
-        loaded.narrow(0, where.src_start, where.size)
+        read_part(loaded, 0, where.src_start, where.size)
     )
+
+
+packed_weight_loader.reads_slices = True  # type: ignore[attr-defined]
 
 
 class LinearBase(nn.Module):
@@ -281,15 +303,18 @@ class VocabParallelEmbedding(nn.Module):
         else:
             self.weight.weight_loader = self._load_slice  # type: ignore[attr-defined]
 
-    def _load_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is not None or tuple(loaded.shape) != (self.num_embeddings, param.shape[1]):
+    def _load_slice(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        shape = checkpoint_shape(loaded)
+        if shard_id is not None or shape != (self.num_embeddings, param.shape[1]):
             raise ValueError(
-                f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+                f"shape mismatch: checkpoint has {shape}, model expects "
                 f"{(self.num_embeddings, param.shape[1])} (does config.json match the weights?)"
             )
         rows = max(0, min(param.shape[0], self.num_embeddings - self.vocab_start))
         param.data.zero_()
-        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_start + rows])
+        param.data[:rows].copy_(read_part(loaded, 0, self.vocab_start, rows))
+
+    _load_slice.reads_slices = True  # type: ignore[attr-defined]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

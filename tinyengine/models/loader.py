@@ -186,8 +186,14 @@ def load_weights(
             for ckpt_name, param_name, shard_id in entries:
                 param = params[param_name]
                 weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                # A tensor-parallel rank's loader takes the lazy slice and reads
+                # only its part; the others take the whole tensor.
+                if getattr(weight_loader, "reads_slices", False):
+                    loaded = handle.get_slice(ckpt_name)
+                else:
+                    loaded = handle.get_tensor(ckpt_name)
                 try:
-                    weight_loader(param, handle.get_tensor(ckpt_name), shard_id)
+                    weight_loader(param, loaded, shard_id)
                 except ValueError as err:
                     raise ValueError(f"cannot load {ckpt_name!r} from {file}: {err}") from None
 
