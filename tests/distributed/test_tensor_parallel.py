@@ -26,8 +26,8 @@ from tests.hf_models import make_tiny_hf_model
 from tinyengine.distributed.tp import init_tp, shard
 from tinyengine.kernels import torch_ops
 from tinyengine.models.context import AttentionMetadata, ForwardContext
-from tinyengine.models.layers import first_kv_head, kv_heads_per_rank
 from tinyengine.models.loader import load_hf_config, load_model
+from tinyengine.models.parallel_layers import first_kv_head, kv_heads_per_rank
 
 BLOCK = 8
 PROMPTS = [[5, 17, 101, 33, 2, 9, 44, 61, 7, 12, 90, 3, 15], [8, 21, 300, 4, 4, 19, 250]]

@@ -193,7 +193,7 @@ def test_dispatch_uses_kernel_when_predicate_holds(monkeypatch: pytest.MonkeyPat
 
 def test_layers_use_f_linear_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both op sets a CPU engine can pick run linear layers as F.linear."""
-    from tinyengine.models.layers import ParallelLMHead, QKVParallelLinear
+    from tinyengine.models.parallel_layers import ParallelLMHead, QKVParallelLinear
 
     def boom(*a, **kw):
         raise AssertionError("kernel must not run on CPU")

@@ -9,8 +9,9 @@ import torch
 
 from tests.hf_models import LLAMA3_ROPE, YARN_ROPE
 from tinyengine.kernels import torch_ops
-from tinyengine.models.layers import QKVParallelLinear, RMSNorm, packed_weight_loader
+from tinyengine.models.layers import RMSNorm
 from tinyengine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from tinyengine.models.parallel_layers import QKVParallelLinear, packed_weight_loader
 from tinyengine.models.rotary import RotaryEmbedding, get_rope_parameters
 
 TINY = dict(

@@ -140,7 +140,7 @@ def inventory_from_model(model: Any, hf_config: dict[str, Any] | None = None) ->
     (VocabParallelEmbedding that is not lm_head), stacked routed experts
     (modules with w13_weight / w2_weight; K from their MoE block's router
     config, else config.json's num_experts_per_tok), everything else dense."""
-    from tinyengine.models.layers import VocabParallelEmbedding
+    from tinyengine.models.parallel_layers import VocabParallelEmbedding
 
     lm_head = getattr(model, "lm_head", None)
     top_k_by_experts = {}

@@ -29,16 +29,10 @@ import torch
 from torch import nn
 
 from tinyengine.models.context import ForwardContext, KVCacheSpec
-from tinyengine.models.layers import (
-    CausalLM,
-    DecoderStack,
-    PreNormDecoderLayer,
-    RMSNorm,
-    VocabParallelEmbedding,
-    check_tp,
-)
+from tinyengine.models.layers import CausalLM, DecoderStack, PreNormDecoderLayer, RMSNorm
 from tinyengine.models.mla import DeepseekRotaryEmbedding, MLAAttention, MLADims, mla_softmax_scale
 from tinyengine.models.moe import DeepseekMoE, MoEConfig, SwiGLUMLP
+from tinyengine.models.parallel_layers import VocabParallelEmbedding, check_tp
 from tinyengine.models.rotary import get_rope_parameters
 
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

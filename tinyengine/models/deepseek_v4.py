@@ -46,14 +46,9 @@ from tinyengine.models.deepseek_v4_attention import (
     fp32_param,
 )
 from tinyengine.models.hyper_connections import HyperConnection, HyperHead
-from tinyengine.models.layers import (
-    CausalLM,
-    ReplicatedLinear,
-    RMSNorm,
-    VocabParallelEmbedding,
-    check_tp,
-)
+from tinyengine.models.layers import CausalLM, RMSNorm
 from tinyengine.models.moe import FusedExperts, MoEConfig
+from tinyengine.models.parallel_layers import ReplicatedLinear, VocabParallelEmbedding, check_tp
 
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _DEFAULTS: dict[str, Any] = dict(

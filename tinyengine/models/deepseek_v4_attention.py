@@ -33,7 +33,8 @@ from torch import nn
 from tinyengine.kernels.compressor.reference import rope_tail
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, PagedTensor
-from tinyengine.models.layers import ReplicatedLinear, RMSNorm, default_weight_loader
+from tinyengine.models.layers import RMSNorm
+from tinyengine.models.parallel_layers import ReplicatedLinear, default_weight_loader
 from tinyengine.models.rotary import RopeCache, rope_frequencies
 
 SLIDING, CSA, HCA = (

@@ -21,13 +21,15 @@ from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import (
     CausalLM,
     DecoderStack,
-    MergedColumnParallelLinear,
     PagedAttention,
     PreNormDecoderLayer,
-    QKVParallelLinear,
     RMSNorm,
-    RowParallelLinear,
     SiluAndMul,
+)
+from tinyengine.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
     VocabParallelEmbedding,
 )
 from tinyengine.models.rotary import RotaryEmbedding, get_rope_parameters

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tinyengine.models.dummy_weights import DUMMY_MARKER, init_dummy_weights
-from tinyengine.models.layers import default_weight_loader
+from tinyengine.models.parallel_layers import default_weight_loader
 from tinyengine.models.registry import get_model_class
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -186,9 +186,9 @@ def load_weights(
             for ckpt_name, param_name, shard_id in entries:
                 param = params[param_name]
                 weight_loader = getattr(param, "weight_loader", default_weight_loader)
-                # A tensor-parallel rank's loader takes the lazy slice and reads
-                # only its part; the others take the whole tensor.
-                if getattr(weight_loader, "reads_slices", False):
+                # A tensor-parallel rank's parameter takes the lazy slice and
+                # reads only its part; the others take the whole tensor.
+                if getattr(param, "reads_part", False):
                     loaded = handle.get_slice(ckpt_name)
                 else:
                     loaded = handle.get_tensor(ckpt_name)

@@ -37,10 +37,10 @@ from torch import nn
 from tinyengine.kernels.sparse_attention.rows import query_rows
 from tinyengine.models import rotary
 from tinyengine.models.context import ForwardContext
-from tinyengine.models.layers import (
+from tinyengine.models.layers import RMSNorm
+from tinyengine.models.parallel_layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
-    RMSNorm,
     RowParallelLinear,
     check_tp,
 )

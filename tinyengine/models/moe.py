@@ -25,10 +25,10 @@ from torch import nn
 from tinyengine.kernels.moe.tiles import moe_token_classes
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext
-from tinyengine.models.layers import (
+from tinyengine.models.layers import SiluAndMul
+from tinyengine.models.parallel_layers import (
     MergedColumnParallelLinear,
     RowParallelLinear,
-    SiluAndMul,
     check_tp,
     default_weight_loader,
 )
