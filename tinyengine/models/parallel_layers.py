@@ -136,7 +136,6 @@ def packed_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Any) -> Non
     )
 
 
-
 class LinearBase(nn.Module):
     """y = x W^T + b with W [output_size, input_size], this rank's sizes;
     parameters carry a weight_loader. Parallel variants differ only in how
@@ -320,7 +319,6 @@ class VocabParallelEmbedding(nn.Module):
         rows = max(0, min(param.shape[0], self.num_embeddings - self.vocab_start))
         param.data.zero_()
         param.data[:rows].copy_(read_part(loaded, 0, self.vocab_start, rows))
-
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
