@@ -1,6 +1,8 @@
-"""Tensor-parallel models on CPU processes (gloo): the Llama family sharded
-over 2 (and 4) ranks gives the one-process model's logits, fp32, for a
-prefill of two sequences (one after a cached prefix) and a decode step.
+"""Tensor-parallel models on CPU processes (gloo): the Llama family and
+DeepSeek-V2/V3 (MLA heads split, the latent cache whole on every rank, each
+expert's intermediate features split) sharded over 2 (and 4) ranks give the
+one-process model's logits, fp32, for a prefill of two sequences (one after
+a cached prefix) and a decode step.
 
 Each rank is a real process (torch.multiprocessing spawn) with a gloo
 process group; it builds the model with its tp_rank, loads only its slices
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.hf_deepseek import make_tiny_deepseek
 from tests.hf_models import make_tiny_hf_model
 from tinyengine.distributed.tp import init_tp, shard
 from tinyengine.kernels import torch_ops
@@ -30,7 +33,10 @@ from tinyengine.models.loader import load_hf_config, load_model
 from tinyengine.models.parallel_layers import first_kv_head, kv_heads_per_rank
 
 BLOCK = 8
-PROMPTS = [[5, 17, 101, 33, 2, 9, 44, 61, 7, 12, 90, 3, 15], [8, 21, 300, 4, 4, 19, 250]]
+PROMPTS = [
+    [5, 17, 101, 33, 2, 9, 44, 61, 7, 12, 90, 3, 15],
+    [8, 21, 300, 4, 4, 19, 250, 77, 31, 6, 140, 2],
+]
 CACHED = 8  # sequence 1's first 8 tokens are in the cache before the chunk
 
 
@@ -111,10 +117,16 @@ def _tp_logits(path: str, size: int, tmp_path) -> list[torch.Tensor]:
     return torch.load(out)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(
+    scope="module", params=["llama", "qwen2", "qwen3", "deepseek-v3", "deepseek-v2-lite"]
+)
 def tiny(request, tmp_path_factory) -> tuple[str, list[torch.Tensor]]:
     """(model folder, the one-process model's logits)."""
-    path = str(make_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param)))
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param.startswith("deepseek"):
+        path = str(make_tiny_deepseek(request.param.removeprefix("deepseek-"), folder))
+    else:
+        path = str(make_tiny_hf_model(request.param, folder))
     model = load_model(path, load_hf_config(path), torch.float32, "cpu")
     return path, _steps(model)
 

@@ -106,10 +106,10 @@ def test_tensor_parallel_shards_and_refusals() -> None:
     assert qkv.weight[:4, 0].tolist() == [4.0, 5.0, 6.0, 7.0]  # rank 1's two q heads
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible"):
         LlamaForCausalLM(TINY, tp_rank=0, tp_size=3)
-    from tinyengine.models.deepseek import DeepseekV3ForCausalLM
+    from tinyengine.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     with pytest.raises(NotImplementedError, match="tp_size=2"):
-        DeepseekV3ForCausalLM({"architectures": ["DeepseekV3ForCausalLM"]}, tp_rank=0, tp_size=2)
+        DeepseekV4ForCausalLM({"architectures": ["DeepseekV4ForCausalLM"]}, tp_rank=0, tp_size=2)
 
 
 def test_model_api_shapes() -> None:

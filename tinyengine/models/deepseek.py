@@ -32,7 +32,7 @@ from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import CausalLM, DecoderStack, PreNormDecoderLayer, RMSNorm
 from tinyengine.models.mla import DeepseekRotaryEmbedding, MLAAttention, MLADims, mla_softmax_scale
 from tinyengine.models.moe import DeepseekMoE, MoEConfig, SwiGLUMLP
-from tinyengine.models.parallel_layers import VocabParallelEmbedding, check_tp
+from tinyengine.models.parallel_layers import VocabParallelEmbedding
 from tinyengine.models.rotary import get_rope_parameters
 
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -199,7 +199,6 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        check_tp(tp_rank, tp_size)
         self.args = args = DeepseekArgs(hf_config, is_v3=self._is_v3)
         self.model = DeepseekModel(args, tp_rank, tp_size)
         self._add_lm_head(tp_rank, tp_size)

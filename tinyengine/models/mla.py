@@ -28,12 +28,14 @@ is free of host reads (it runs inside CUDA graphs).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from tinyengine.distributed.tp import shard
 from tinyengine.kernels.sparse_attention.rows import query_rows
 from tinyengine.models import rotary
 from tinyengine.models.context import ForwardContext
@@ -42,7 +44,6 @@ from tinyengine.models.parallel_layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
-    check_tp,
 )
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -147,16 +148,19 @@ class MLAAttention(nn.Module):
         tp_size: int = 1,
     ) -> None:
         super().__init__()
-        check_tp(tp_rank, tp_size)
-        d = self.dims = dims
+        d = dims
+        # This rank's heads: everything after the projections sees only them.
+        _, heads = shard(d.num_heads, tp_rank, tp_size, "num_attention_heads")
+        self.dims = dataclasses.replace(d, num_heads=heads)
         self.layer_idx = layer_idx
         self.rotary_emb = rotary_emb
         self.scale = scale
         q_out = d.num_heads * d.qk_head_dim
         tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         # Under tensor parallelism the per-head projections (q_proj / q_b_proj,
-        # kv_b_proj) split by heads and o_proj by its input; the low-rank
-        # down-projections and the latent stay whole on every rank.
+        # kv_b_proj: each head's rows are contiguous) split by heads and o_proj
+        # by its input; the low-rank down-projections and the latent cache
+        # stay whole on every rank.
         if d.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(d.hidden_size, q_out, bias=False, **tp)
         else:

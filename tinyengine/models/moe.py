@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyengine.distributed.tp import shard, tp_group
 from tinyengine.kernels.moe.tiles import moe_token_classes
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext
@@ -29,7 +30,6 @@ from tinyengine.models.layers import SiluAndMul
 from tinyengine.models.parallel_layers import (
     MergedColumnParallelLinear,
     RowParallelLinear,
-    check_tp,
     default_weight_loader,
 )
 
@@ -195,52 +195,78 @@ class TopkRouter(nn.Module):
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """Where one expert's checkpoint tensor goes in a stacked parameter: into
+    expert `expert`, rows [start, start + rows); of the checkpoint tensor
+    (shape `full`) the part [src_start, src_start + length) along `dim` (the
+    whole tensor at tp_size 1)."""
+
+    expert: int
+    start: int
+    rows: int
+    dim: int
+    src_start: int
+    length: int
+    full: tuple[int, int]
+
+
 class FusedExperts(nn.Module):
     """All routed experts of one layer, stacked: w13_weight [E, 2I, D],
     w2_weight [E, D, I]. Checkpoint tensor `experts.E.gate_proj.weight` loads
     as shard (E, 0) of w13, `up_proj` as (E, 1), `down_proj` as shard E of w2
-    (models/deepseek.py routes the names)."""
+    (models/deepseek.py routes the names).
+
+    Tensor parallelism inside each expert: a rank holds I / tp of every
+    expert's intermediate features (its rows of gate and up, its columns of
+    down), so its output is a partial sum, all-reduced here."""
 
     def __init__(self, cfg: MoEConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        check_tp(tp_rank, tp_size)
-        e, i, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.num_experts, self.intermediate_size = e, i
+        e, d = cfg.num_experts, cfg.hidden_size
+        full_i = cfg.moe_intermediate_size
+        first, i = shard(full_i, tp_rank, tp_size, "moe_intermediate_size")
+        self.num_experts, self.intermediate_size, self.tp_size = e, i, tp_size
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
-        # shard id -> (expert, first row, rows); the loader checks that every
-        # listed shard is filled exactly once.
-        w13_shards = {(x, half): (x, half * i, i) for x in range(e) for half in (0, 1)}
-        self.w13_weight.shard_offsets = w13_shards  # type: ignore[attr-defined]
+        # shard id -> ExpertShard; the loader checks that every listed shard is
+        # filled exactly once.
+        self.w13_weight.shard_offsets = {  # type: ignore[attr-defined]
+            (x, half): ExpertShard(x, half * i, i, 0, first, i, (full_i, d))
+            for x in range(e) for half in (0, 1)
+        }  # fmt: skip
         self.w13_weight.weight_loader = _expert_weight_loader  # type: ignore[attr-defined]
-        self.w2_weight.shard_offsets = {x: (x, 0, d) for x in range(e)}  # type: ignore[attr-defined]
+        self.w2_weight.shard_offsets = {  # type: ignore[attr-defined]
+            x: ExpertShard(x, 0, d, 1, first, i, (d, full_i)) for x in range(e)
+        }
         self.w2_weight.weight_loader = _expert_weight_loader  # type: ignore[attr-defined]
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        return ctx.ops.fused_moe(
+        out = ctx.ops.fused_moe(
             x, self.w13_weight, self.w2_weight, weights, ids, workspace=ctx.workspace
         )
+        return out if self.tp_size == 1 else tp_group().all_reduce(out)
 
 
 def _expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
-    """Copy one expert's [rows, cols] checkpoint tensor into its slice of a
-    stacked [E, rows_total, cols] parameter."""
-    offsets: dict[Any, tuple[int, int, int]] = param.shard_offsets  # type: ignore[attr-defined]
+    """Copy one expert's [rows, cols] checkpoint tensor (or this rank's part
+    of it) into its slice of a stacked [E, rows_total, cols] parameter."""
+    offsets: dict[Any, ExpertShard] = param.shard_offsets  # type: ignore[attr-defined]
     if shard_id not in offsets:
         raise ValueError(
             f"expert shard {shard_id!r} does not exist: this layer stacks "
             f"{param.shape[0]} experts (does n_routed_experts in config.json match?)"
         )
-    expert, start, rows = offsets[shard_id]
-    expected = (rows, param.shape[2])
-    if tuple(loaded.shape) != expected:
+    where = offsets[shard_id]
+    if tuple(loaded.shape) != where.full:
         raise ValueError(
             f"shape mismatch for expert shard {shard_id!r}: checkpoint has "
-            f"{tuple(loaded.shape)}, model expects {expected}"
+            f"{tuple(loaded.shape)}, model expects {where.full}"
         )
-    param.data[expert, start : start + rows].copy_(loaded)
+    part = loaded.narrow(where.dim, where.src_start, where.length)
+    param.data[where.expert, where.start : where.start + where.rows].copy_(part)
 
 
 class DeepseekMoE(nn.Module):

@@ -16,7 +16,9 @@ layer keeps its rank's input columns and all-reduces the partial products
 vocabulary (an all-reduce of the embedded rows, an all-gather of the
 logits). The collectives are distributed/tp.py's group. A rank's loader
 reads only its part of a safetensors tensor (a lazy slice, `reads_part`).
-Model families whose own modules are not sharded yet refuse tp_size > 1
+The Llama family and DeepSeek-V2/V3 (models/mla.py splits heads,
+models/moe.py each expert's intermediate features) build sharded;
+DeepSeek-V4, whose own modules are not sharded yet, refuses tp_size > 1
 (check_tp).
 """
 
