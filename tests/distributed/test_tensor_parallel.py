@@ -81,15 +81,19 @@ def _steps(model, num_blocks: int = 16) -> list[torch.Tensor]:
     return [first, second]
 
 
-def _rank_main(rank: int, size: int, port: int, path: str, out: str) -> None:
+def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str) -> None:
+    """One rank: every model in `paths` in turn, sharded; rank 0 saves the
+    logits (a list per model)."""
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size)  # fmt: skip
         init_tp(rank, size)
         torch.set_num_threads(1)
-        hf_config = load_hf_config(path)
-        model = load_model(path, hf_config, torch.float32, "cpu", tp_rank=rank, tp_size=size)
-        logits = _steps(model)
+        logits = []
+        for path in paths:
+            hf_config = load_hf_config(path)
+            model = load_model(path, hf_config, torch.float32, "cpu", tp_rank=rank, tp_size=size)
+            logits.append(_steps(model))
         if rank == 0:
             torch.save(logits, out)
         dist.barrier()
@@ -106,10 +110,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_logits(path: str, size: int, tmp_path) -> list[torch.Tensor]:
+def _tp_logits(paths: list[str], size: int, tmp_path) -> list[list[torch.Tensor]]:
+    """Per model, the logits of _steps run by `size` ranks (one process group
+    for all of them: process start-ups are the slow part on a small CPU)."""
     out = str(tmp_path / f"tp{size}.pt")
     try:
-        mp.spawn(_rank_main, args=(size, _free_port(), path, out), nprocs=size, join=True)
+        mp.spawn(_rank_main, args=(size, _free_port(), paths, out), nprocs=size, join=True)
     except Exception as exc:
         errors = [open(f"{out}.rank{r}.err").read() for r in range(size)
                   if os.path.exists(f"{out}.rank{r}.err")]  # fmt: skip
@@ -117,34 +123,33 @@ def _tp_logits(path: str, size: int, tmp_path) -> list[torch.Tensor]:
     return torch.load(out)
 
 
-@pytest.fixture(
-    scope="module", params=["llama", "qwen2", "qwen3", "deepseek-v3", "deepseek-v2-lite"]
-)
-def tiny(request, tmp_path_factory) -> tuple[str, list[torch.Tensor]]:
-    """(model folder, the one-process model's logits)."""
-    folder = tmp_path_factory.mktemp(request.param)
-    if request.param.startswith("deepseek"):
-        path = str(make_tiny_deepseek(request.param.removeprefix("deepseek-"), folder))
-    else:
-        path = str(make_tiny_hf_model(request.param, folder))
-    model = load_model(path, load_hf_config(path), torch.float32, "cpu")
-    return path, _steps(model)
+MODELS = ["llama", "qwen2", "qwen3", "deepseek-v3", "deepseek-v2-lite"]
 
 
-def test_two_ranks_give_the_one_process_logits(tiny, tmp_path):
-    path, want = tiny
-    got = _tp_logits(path, 2, tmp_path)
-    for step_got, step_want in zip(got, want, strict=True):
-        torch.testing.assert_close(step_got, step_want, rtol=1e-5, atol=1e-5)
-        assert torch.equal(step_got.argmax(-1), step_want.argmax(-1))
+def _build(name: str, folder) -> str:
+    if name.startswith("deepseek"):
+        return str(make_tiny_deepseek(name.removeprefix("deepseek-"), folder))
+    return str(make_tiny_hf_model(name, folder))
+
+
+def test_two_ranks_give_the_one_process_logits(tmp_path):
+    paths = [_build(name, tmp_path / name) for name in MODELS]
+    got = _tp_logits(paths, 2, tmp_path)
+    for name, path, model_got in zip(MODELS, paths, got, strict=True):
+        want = _steps(load_model(path, load_hf_config(path), torch.float32, "cpu"))
+        for step_got, step_want in zip(model_got, want, strict=True):
+            torch.testing.assert_close(
+                step_got, step_want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            )
+            assert torch.equal(step_got.argmax(-1), step_want.argmax(-1)), name
 
 
 def test_four_ranks_replicate_kv_heads_and_give_the_same_logits(tmp_path):
-    path = str(make_tiny_hf_model("llama", tmp_path / "llama"))
+    path = _build("llama", tmp_path / "llama")
     hf_config = load_hf_config(path)
     assert hf_config["num_key_value_heads"] < 4  # the case: KV heads replicated
     want = _steps(load_model(path, hf_config, torch.float32, "cpu"))
-    got = _tp_logits(path, 4, tmp_path)
+    (got,) = _tp_logits([path], 4, tmp_path)
     for step_got, step_want in zip(got, want, strict=True):
         torch.testing.assert_close(step_got, step_want, rtol=1e-5, atol=1e-5)
 
