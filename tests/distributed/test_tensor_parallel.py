@@ -165,13 +165,14 @@ def test_head_and_kv_head_split_rules():
         kv_heads_per_rank(3, 4)
 
 
-def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["qwen2", "deepseek-v3"])  # qkv bias; MLA and experts
+def test_a_rank_reads_only_its_slices(name, tmp_path, monkeypatch):
     """Building rank 1 of 2 needs no process group: its loaders take lazy
     safetensors slices of every sharded tensor (never the whole tensor) and
     keep exactly their part of what one process loads."""
     import tinyengine.models.loader as loader
 
-    path = str(make_tiny_hf_model("qwen2", tmp_path / "qwen2"))  # qkv bias: sliced too
+    path = _build(name, tmp_path / name)
     hf_config = load_hf_config(path)
     whole = dict(load_model(path, hf_config, torch.float32, "cpu").named_parameters())
     real_open, read_whole = loader.safe_open, []
@@ -200,10 +201,14 @@ def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "safe_open", Recording)
     rank1 = dict(load_model(path, hf_config, torch.float32, "cpu", tp_rank=1,
                             tp_size=2).named_parameters())  # fmt: skip
-    sharded = ("proj", "embed_tokens", "lm_head")
-    assert read_whole and not [n for n in read_whole if any(s in n for s in sharded)]
-    half = whole["model.layers.0.mlp.down_proj.weight"].shape[1] // 2
-    torch.testing.assert_close(rank1["model.layers.0.mlp.down_proj.weight"],
-                               whole["model.layers.0.mlp.down_proj.weight"][:, half:])  # fmt: skip
-    q = rank1["model.layers.0.self_attn.qkv_proj.bias"].shape[0]
-    assert q < whole["model.layers.0.self_attn.qkv_proj.bias"].shape[0]
+    # Replicated on every rank: norms, the router, MLA's low-rank down-projections.
+    replicated = ("norm", "mlp.gate.", "q_a_proj", "kv_a_proj", "e_score_correction_bias")
+    sharded = [n for n in read_whole if not any(r in n for r in replicated)]
+    assert read_whole and not sharded, sharded
+    o_proj = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: rank 1's columns
+    half = whole[o_proj].shape[1] // 2
+    torch.testing.assert_close(rank1[o_proj], whole[o_proj][:, half:])
+    if name == "deepseek-v3":  # each expert's down projection: rank 1's columns
+        experts = next(n for n in whole if n.endswith("experts.w2_weight"))
+        half = whole[experts].shape[2] // 2
+        torch.testing.assert_close(rank1[experts], whole[experts][:, :, half:])

@@ -30,7 +30,10 @@ from tinyengine.models.layers import SiluAndMul
 from tinyengine.models.parallel_layers import (
     MergedColumnParallelLinear,
     RowParallelLinear,
+    checkpoint_shape,
     default_weight_loader,
+    mark_reads_part,
+    read_part,
 )
 
 ROUTINGS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -240,6 +243,8 @@ class FusedExperts(nn.Module):
             x: ExpertShard(x, 0, d, 1, first, i, (d, full_i)) for x in range(e)
         }
         self.w2_weight.weight_loader = _expert_weight_loader  # type: ignore[attr-defined]
+        for param in (self.w13_weight, self.w2_weight):
+            mark_reads_part(param, tp_size > 1)
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext
@@ -250,9 +255,10 @@ class FusedExperts(nn.Module):
         return out if self.tp_size == 1 else tp_group().all_reduce(out)
 
 
-def _expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+def _expert_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Any) -> None:
     """Copy one expert's [rows, cols] checkpoint tensor (or this rank's part
-    of it) into its slice of a stacked [E, rows_total, cols] parameter."""
+    of it, read from a lazy safetensors slice) into its slice of a stacked
+    [E, rows_total, cols] parameter."""
     offsets: dict[Any, ExpertShard] = param.shard_offsets  # type: ignore[attr-defined]
     if shard_id not in offsets:
         raise ValueError(
@@ -260,12 +266,12 @@ def _expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: A
             f"{param.shape[0]} experts (does n_routed_experts in config.json match?)"
         )
     where = offsets[shard_id]
-    if tuple(loaded.shape) != where.full:
+    if checkpoint_shape(loaded) != where.full:
         raise ValueError(
             f"shape mismatch for expert shard {shard_id!r}: checkpoint has "
-            f"{tuple(loaded.shape)}, model expects {where.full}"
+            f"{checkpoint_shape(loaded)}, model expects {where.full}"
         )
-    part = loaded.narrow(where.dim, where.src_start, where.length)
+    part = read_part(loaded, where.dim, where.src_start, where.length)
     param.data[where.expert, where.start : where.start + where.rows].copy_(part)
 
 

@@ -79,7 +79,7 @@ def read_part(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
     return loaded[tuple(index)]
 
 
-def _reads_part(param: nn.Parameter, part: bool) -> None:
+def mark_reads_part(param: nn.Parameter, part: bool) -> None:
     """Mark a parameter that keeps only part of its checkpoint tensor (a
     tensor-parallel rank's): models/loader.py then hands its loader a lazy
     safetensors slice, so only that part is read from the file."""
@@ -171,7 +171,7 @@ class LinearBase(nn.Module):
             if param is not None:
                 param.shard_offsets = offsets  # type: ignore[attr-defined]
                 param.weight_loader = packed_weight_loader  # type: ignore[attr-defined]
-                _reads_part(param, any(o.size < o.full for o in offsets.values()))
+                mark_reads_part(param, any(o.size < o.full for o in offsets.values()))
 
 
 class ReplicatedLinear(LinearBase):
@@ -196,7 +196,7 @@ class ColumnParallelLinear(LinearBase):
         for param in (self.weight, self.bias):
             if param is not None:
                 param.weight_loader = sliced_weight_loader(0, start, output_size)  # type: ignore[attr-defined]
-                _reads_part(param, tp_size > 1)
+                mark_reads_part(param, tp_size > 1)
 
 
 class RowParallelLinear(LinearBase):
@@ -211,7 +211,7 @@ class RowParallelLinear(LinearBase):
         start, size = shard(input_size, tp_rank, tp_size, "input features")
         super().__init__(size, output_size, bias)
         self.weight.weight_loader = sliced_weight_loader(1, start, input_size)  # type: ignore[attr-defined]
-        _reads_part(self.weight, tp_size > 1)
+        mark_reads_part(self.weight, tp_size > 1)
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
     def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
@@ -309,7 +309,7 @@ class VocabParallelEmbedding(nn.Module):
             self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
         else:
             self.weight.weight_loader = self._load_slice  # type: ignore[attr-defined]
-            _reads_part(self.weight, True)
+            mark_reads_part(self.weight, True)
 
     def _load_slice(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         shape = checkpoint_shape(loaded)
