@@ -48,7 +48,7 @@ import torch
 
 from tinyengine.kernels.activation.triton import silu_and_mul_op
 from tinyengine.kernels.attention.tiles import prefill_config
-from tinyengine.kernels.attention.triton import prefill_attention
+from tinyengine.kernels.attention.triton import paged_output, prefill_attention
 from tinyengine.kernels.batch_invariant import by_row_blocks, head_matmul
 from tinyengine.kernels.gemm.triton import matmul
 from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
@@ -122,12 +122,7 @@ def paged_attention(
     """attention/triton.py's paged_attention through its prefill/mixed kernel
     for every step, tiles of at least 64 rows (module docstring)."""
     del max_seq_len, seq_lens_cpu, workspace
-    shape = (q.shape[0], q.shape[1], v_cache.shape[3])
-    if query_start_loc_cpu:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-        out[query_start_loc_cpu[-1] :].zero_()
-    else:
-        out = torch.zeros(shape, dtype=q.dtype, device=q.device)
+    out = paged_output(q, v_cache, query_start_loc_cpu)
     group = q.shape[1] // k_cache.shape[2]
     # The tile config of a query length whose tile holds >= _MIN_TILE_ROWS rows.
     tile_query_len = max(max_query_len, -(-_MIN_TILE_ROWS // group))

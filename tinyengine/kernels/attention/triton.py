@@ -211,13 +211,7 @@ def paged_attention(
     the whole output starts as zeros.
     """
     del seq_lens_cpu  # kernels read the device lengths; the host list is for the reference
-    shape = (q.shape[0], q.shape[1], v_cache.shape[3])
-    if query_start_loc_cpu:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-        if query_start_loc_cpu[-1] < q.shape[0]:
-            out[query_start_loc_cpu[-1] :].zero_()
-    else:
-        out = torch.zeros(shape, dtype=q.dtype, device=q.device)
+    out = paged_output(q, v_cache, query_start_loc_cpu)
     if max_query_len == 1:
         decode_attention(
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
@@ -228,6 +222,21 @@ def paged_attention(
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
             max_query_len=max_query_len,
         )  # fmt: skip
+    return out
+
+
+def paged_output(
+    q: torch.Tensor, v_cache: torch.Tensor, query_start_loc_cpu: list[int] | None
+) -> torch.Tensor:
+    """paged_attention's output [T, Hq, Dv]: rows past query_start_loc[-1]
+    zeroed (only that tail when the host list is given, before any kernel
+    runs, so a stale list can never erase a real row), else all zeros."""
+    shape = (q.shape[0], q.shape[1], v_cache.shape[3])
+    if not query_start_loc_cpu:
+        return torch.zeros(shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    if query_start_loc_cpu[-1] < q.shape[0]:
+        out[query_start_loc_cpu[-1] :].zero_()
     return out
 
 

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyengine.kernels.gemv.triton import check_operands
 from tinyengine.kernels.launch import dot_precision, interpreting
 
 _GROUP_M = 8  # row tiles that share weight tiles in L2 (programs run grouped)
@@ -102,15 +103,7 @@ def matmul(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"matmul: need x [M, K], weight [N, K]; got {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}")  # fmt: skip
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"matmul: x, weight and bias dtypes differ ({x.dtype}, {weight.dtype})")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("matmul: x and weight need a contiguous last dim")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
-        raise ValueError(f"matmul: bias must be contiguous [{weight.shape[0]}]")
+    check_operands("matmul", "x [M, K], weight [N, K]", x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
