@@ -19,7 +19,7 @@ _BACKENDS = ("auto", "torch", "triton")
 _GRAPH_BACKENDS = ("auto", "cuda", "recording", "none")
 
 
-_VLLM_FIXED = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+_VLLM_FIXED = {"pipeline_parallel_size": 1}
 _VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats"}
 # vLLM switches for behaviour tinyengine always has: True is taken, False
 # (asking it away) is an error.
@@ -84,6 +84,13 @@ class EngineConfig:
     # bf16/fp16; elsewhere "auto" picks the torch op set, eager steps
     # (check_batch_invariant).
     batch_invariant: bool = False
+    # Ranks the model is split over (tensor parallelism, distributed/): this
+    # process is rank 0 (scheduler, tokenizer, sampling) and starts one
+    # worker process per other rank, each on its own GPU (or CPU process).
+    tensor_parallel_size: int = 1
+    # MoE layers: each rank holds whole experts (E / tensor_parallel_size of
+    # them) instead of a slice of every expert (vLLM's expert parallelism).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.hf_overrides is None:
@@ -98,7 +105,10 @@ class EngineConfig:
         # stats log). Any other value is an error.
         for name, only in _VLLM_FIXED.items():
             if name in kwargs and kwargs.pop(name) != only:
-                raise ValueError(f"{name}: tinyengine runs on one device; only {only} is supported")
+                raise ValueError(
+                    f"{name}: tinyengine has no pipeline parallelism; only {only} is supported "
+                    "(tensor_parallel_size splits a model over several devices)"
+                )
         for name in _VLLM_NO_EFFECT & set(kwargs):
             if not isinstance(kwargs.pop(name), bool):
                 raise ValueError(f"{name} must be True or False")
@@ -127,7 +137,8 @@ class EngineConfig:
             raise bad("load_format", f"must be one of {_LOAD_FORMATS}")
         if self.attention_backend not in _BACKENDS:
             raise bad("attention_backend", f"must be one of {_BACKENDS}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size"):  # fmt: skip
             value = getattr(self, name)
             optional = value is None
             if not optional and (
@@ -148,12 +159,18 @@ class EngineConfig:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
         for name in ("enable_prefix_caching", "enforce_eager", "print_startup_report",
                      "profile_steps", "async_scheduling",
-                     "allow_long_max_model_len", "batch_invariant"):  # fmt: skip
+                     "allow_long_max_model_len", "batch_invariant",
+                     "enable_expert_parallel"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):  # "false" would be truthy
                 raise bad(name, "must be True or False")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(2**63) <= self.seed < 2**64):  # fmt: skip
             raise bad("seed", "must be an integer (torch's generator range) or None")
+        if self.batch_invariant and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "EngineConfig.batch_invariant=True is not available with tensor_parallel_size > 1: "
+                "the all-reduce's summation order is the collective library's, not the mode's"
+            )
         if not isinstance(self.hf_overrides, dict):
             raise bad("hf_overrides", "must be a dict merged into config.json")
 
@@ -168,6 +185,16 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but no CUDA device is available")
         return self.device
+
+    def check_devices(self, device: str) -> None:
+        """One GPU per tensor-parallel rank."""
+        import torch
+
+        if device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} needs one GPU per "
+                f"rank, but {torch.cuda.device_count()} are visible"
+            )
 
     def resolve_limits(self, device: str) -> None:
         """Fill in the per-step limits left to the device default."""

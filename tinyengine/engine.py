@@ -82,7 +82,11 @@ class LLMEngine:
         self.tokenizer, self.eos_token_ids = load_engine_tokenizer(config, self.hf_config)
 
         if not startup.ready:
-            startup.run_all()
+            try:
+                startup.run_all()
+            except BaseException:
+                startup.stages.shutdown()  # worker processes, if any, end with it
+                raise
         if config.print_startup_report:
             print(startup.report.table(), file=sys.stderr)
         self.startup = startup
@@ -355,6 +359,12 @@ class LLMEngine:
             ),
         )
 
+    def shutdown(self) -> None:
+        """End what the engine started besides this thread: the other
+        tensor-parallel ranks' processes (nothing with one rank). Idempotent;
+        garbage collection and interpreter exit do it too."""
+        self.startup.stages.shutdown()
+
     # --- introspection ---
 
     def step_profile(self, min_batch_size: int = 1) -> dict[str, Any]:
@@ -393,4 +403,5 @@ class LLMEngine:
             "workspace_growths": self.runner.workspace.stats.num_growths,
             "captured_graph_sizes": self.startup.report.captured_sizes,
             "batch_invariant": self.config.batch_invariant,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }

@@ -124,6 +124,11 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def shutdown(self) -> None:
+        """End the worker processes of a tensor-parallel engine now (as
+        `del llm` does once the object is collected)."""
+        self.engine.shutdown()
+
     def startup_report(self) -> StartupReport:
         return self.engine.startup.report
 

@@ -21,8 +21,10 @@ def test_vllm_options_run_unchanged_at_their_one_meaningful_value():
 @pytest.mark.parametrize(
     "kwargs,words",
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size: tinyengine runs on one device"),
-        ({"pipeline_parallel_size": 4}, "pipeline_parallel_size"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+        ({"tensor_parallel_size": 2, "batch_invariant": True}, "not available with tensor_par"),
+        ({"enable_expert_parallel": "on"}, "enable_expert_parallel must be True or False"),
+        ({"pipeline_parallel_size": 4}, "pipeline_parallel_size: tinyengine has no pipeline"),
         ({"trust_remote_code": "yes"}, "trust_remote_code must be True or False"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill: tinyengine always"),
     ],

@@ -6,8 +6,10 @@ Owns the reading of a DeepSeek config.json (with HF's per-architecture
 defaults and quirks: HF writes `head_dim = qk_rope_head_dim`, which is not the
 attention head size, and V3's `num_key_value_heads` means nothing for MLA) and
 the routing of checkpoint names into this model's parameters: per-expert
-tensors into the stacked expert weights, gate_proj/up_proj into gate_up_proj.
-Parameter names otherwise mirror HF's, so the loader needs no renaming.
+tensors into the stacked expert weights (on an expert-parallel rank only its
+own experts' tensors; the others are skipped unread), gate_proj/up_proj into
+gate_up_proj. Parameter names otherwise mirror HF's, so the loader needs no
+renaming.
 
 V2 vs V3 differ only in routing and rope details:
   V2: softmax scores, topk_method "greedy" or "group_limited_greedy", no
@@ -31,7 +33,7 @@ from torch import nn
 from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import CausalLM, DecoderStack, PreNormDecoderLayer, RMSNorm
 from tinyengine.models.mla import DeepseekRotaryEmbedding, MLAAttention, MLADims, mla_softmax_scale
-from tinyengine.models.moe import DeepseekMoE, MoEConfig, SwiGLUMLP
+from tinyengine.models.moe import DeepseekMoE, MoEConfig, SwiGLUMLP, expert_range
 from tinyengine.models.parallel_layers import VocabParallelEmbedding
 from tinyengine.models.rotary import get_rope_parameters
 
@@ -137,12 +139,15 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         scale: float,
         tp_rank: int,
         tp_size: int,
+        expert_parallel: bool,
     ) -> None:
         super().__init__()
         self.self_attn = MLAAttention(args.mla, layer_idx, rotary_emb, scale, tp_rank, tp_size)
         if args.is_moe_layer(layer_idx):
             assert args.moe is not None
-            self.mlp: nn.Module = DeepseekMoE(args.moe, tp_rank, tp_size)
+            self.mlp: nn.Module = DeepseekMoE(
+                args.moe, tp_rank, tp_size, expert_parallel=expert_parallel
+            )
         else:
             self.mlp = SwiGLUMLP(
                 args.hidden_size, args.intermediate_size, args.mlp_bias, tp_rank, tp_size
@@ -159,7 +164,9 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
 
 
 class DeepseekModel(DecoderStack):
-    def __init__(self, args: DeepseekArgs, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, args: DeepseekArgs, tp_rank: int, tp_size: int, expert_parallel: bool
+    ) -> None:
         super().__init__()
         m = args.mla
         self.embed_tokens = VocabParallelEmbedding(
@@ -172,7 +179,7 @@ class DeepseekModel(DecoderStack):
         )  # fmt: skip
         scale = mla_softmax_scale(args.rope_parameters, m.qk_head_dim)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(args, i, self.rotary_emb, scale, tp_rank, tp_size)
+            DeepseekDecoderLayer(args, i, self.rotary_emb, scale, tp_rank, tp_size, expert_parallel)
             for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -196,19 +203,44 @@ class DeepseekV2ForCausalLM(CausalLM):
     # mode (kernels/batch_invariant.py; on a GPU batch_invariant_triton.py).
     batch_invariant_ok = True
     batch_invariant_triton = True
+    # load_model(expert_parallel=True): whole routed experts split over the
+    # tensor-parallel ranks (models/moe.py's FusedExperts).
+    supports_expert_parallel = True
 
-    def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        *,
+        expert_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.args = args = DeepseekArgs(hf_config, is_v3=self._is_v3)
-        self.model = DeepseekModel(args, tp_rank, tp_size)
+        # The routed experts an expert-parallel rank holds (None: all of them).
+        self.local_experts: range | None = None
+        if args.moe is not None and expert_parallel:
+            self.local_experts = expert_range(args.moe.num_experts, tp_rank, tp_size)
+        self.model = DeepseekModel(args, tp_rank, tp_size, expert_parallel)
         self._add_lm_head(tp_rank, tp_size)
 
     def skips_checkpoint_name(self, ckpt_name: str) -> bool:
         """Names the loader ignores: with n_shared_experts = 0, transformers
         still saves shared-expert MLPs of width 0 (no values), which this
-        model, having no shared experts, has no parameters for."""
+        model, having no shared experts, has no parameters for; and, on an
+        expert-parallel rank, the other ranks' experts (never read). An
+        expert id past n_routed_experts is not skipped: its loader reports
+        the mismatch."""
         moe = self.args.moe
-        return moe is not None and moe.n_shared_experts == 0 and ".mlp.shared_experts." in ckpt_name
+        if moe is None:
+            return False
+        if moe.n_shared_experts == 0 and ".mlp.shared_experts." in ckpt_name:
+            return True
+        match = _EXPERT_RE.match(ckpt_name)
+        if match is None or self.local_experts is None:
+            return False
+        expert = int(match.group(2))
+        return expert < moe.num_experts and expert not in self.local_experts
 
     def route_checkpoint_name(self, ckpt_name: str) -> tuple[str, Any] | None:
         """Per-expert checkpoint names -> (stacked parameter, shard id); None

@@ -69,15 +69,28 @@ def load_model(
     load_format: str = "auto",
     tp_rank: int = 0,
     tp_size: int = 1,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """Build the model named by hf_config["architectures"][0] directly on
     `device` in `dtype` and fill every parameter: from the checkpoint
     ("safetensors"), or seeded random values ("dummy", models/dummy_weights.py).
     "auto" is safetensors, or dummy for a folder marked as having no weights
     by design (a dummy-weight preset). tp_rank / tp_size: this rank's shard
-    of a tensor-parallel model (its layers keep their slices of each tensor)."""
+    of a tensor-parallel model (its layers keep their slices of each tensor).
+    expert_parallel (vLLM's enable_expert_parallel): the MoE layers' routed
+    experts split whole over those tp_size ranks instead of each expert's
+    features; only classes with `supports_expert_parallel` take it."""
     folder = Path(model_path)
     model_cls = get_model_class(hf_config)
+    if expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
+        raise ValueError(
+            f"expert_parallel=True: {model_cls.__name__} does not support expert "
+            "parallelism (it has no mixture-of-experts layers, or they cannot be split by "
+            "expert yet; DeepSeek-V2/V3 can); load it with expert_parallel=False"
+        )
+    # Passed only when asked for: classes without expert parallelism keep the
+    # (hf_config, tp_rank, tp_size) constructor.
+    ep = {"expert_parallel": True} if expert_parallel else {}
     if load_format == "auto":
         load_format = "dummy" if (folder / DUMMY_MARKER).is_file() else "safetensors"
     if load_format not in ("safetensors", "dummy"):
@@ -85,7 +98,7 @@ def load_model(
     # Find the weights before building: a pickle-only folder fails fast.
     weight_map = checkpoint_weight_map(folder) if load_format == "safetensors" else {}
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, tp_rank, tp_size)
+        model = model_cls(hf_config, tp_rank, tp_size, **ep)
     if load_format == "dummy":
         init_dummy_weights(model, float(hf_config.get("initializer_range") or 0.02))
     else:

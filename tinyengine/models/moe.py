@@ -8,6 +8,12 @@ the checkpoint's per-expert tensors (`mlp.experts.E.{gate,up,down}_proj.weight`)
 into it, addressed by shard ids (E, 0 | 1) and E. Routing lives here, not in
 the kernel: ctx.ops.fused_moe only applies a routing.
 
+Two ways to spread the routed experts over a tensor-parallel group of N
+ranks: inside each expert (a rank holds I / N of every expert's features) or,
+with expert_parallel, whole experts (a rank holds E / N of them; vLLM's
+enable_expert_parallel, EP size = TP size). Shared experts are split inside,
+either way.
+
 Must never read files or pick an implementation: the ForwardContext's op set
 brings fused_moe. Routing is made of device ops
 only (top-k, scatter, masks), so it is safe inside CUDA graphs.
@@ -214,41 +220,103 @@ class ExpertShard:
     full: tuple[int, int]
 
 
+def expert_range(num_experts: int, rank: int, size: int) -> range:
+    """The global ids of the routed experts that expert-parallel rank `rank`
+    of `size` holds: an equal, contiguous share."""
+    if num_experts % size:
+        raise ValueError(
+            f"expert parallelism: n_routed_experts={num_experts} is not divisible by the "
+            f"expert-parallel size {size} (= tensor_parallel_size); pick a "
+            "tensor_parallel_size that divides it, or turn expert_parallel off"
+        )
+    per_rank = num_experts // size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def local_routing(
+    weights: torch.Tensor, ids: torch.Tensor, local: range
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing over all experts -> the same routing over this rank's
+    experts `local` (global ids -> local ids 0..len(local)-1).
+
+    fused_moe has no "skip this pair" id (both op sets require every id in
+    [0, E): the torch reference refuses others, the Triton kernel would leave
+    the pair's output rows unwritten and still sum them), so a (token, expert)
+    pair whose expert lives on another rank keeps its slot with weight 0 and
+    local id 0: it reads only this rank's expert 0, and adds exactly 0.
+    Shapes stay fixed and nothing is read on the host, so this is graph-safe.
+    The cost: every rank still computes all T*K pairs, (N-1)/N of them
+    wasted (at whole-expert width, where tensor parallelism inside experts
+    computes T*K pairs at I/N), and 0 * an inf expert output would be NaN
+    (within reach of fp16's range only). Sending them all to one expert,
+    rather than spreading them, keeps the weights a decode step streams to
+    the experts it uses plus one. A kernel that skipped a sentinel id (vLLM's
+    expert_map -1) would remove the waste."""
+    shifted = ids - local.start
+    mine = (shifted >= 0) & (shifted < len(local))
+    return weights.masked_fill(~mine, 0.0), shifted.masked_fill(~mine, 0)
+
+
 class FusedExperts(nn.Module):
-    """All routed experts of one layer, stacked: w13_weight [E, 2I, D],
-    w2_weight [E, D, I]. Checkpoint tensor `experts.E.gate_proj.weight` loads
-    as shard (E, 0) of w13, `up_proj` as (E, 1), `down_proj` as shard E of w2
-    (models/deepseek.py routes the names).
+    """This rank's routed experts of one layer, stacked: w13_weight
+    [E_local, 2I_local, D], w2_weight [E_local, D, I_local]. Checkpoint tensor
+    `experts.E.gate_proj.weight` loads as shard (E, 0) of w13, `up_proj` as
+    (E, 1), `down_proj` as shard E of w2, E the global id (models/deepseek.py
+    routes the names); only this rank's shards exist.
 
-    Tensor parallelism inside each expert: a rank holds I / tp of every
-    expert's intermediate features (its rows of gate and up, its columns of
-    down), so its output is a partial sum, all-reduced here."""
+    By default (tensor parallelism inside each expert) a rank holds all E
+    experts, I / tp of each one's intermediate features (its rows of gate and
+    up, its columns of down), so its output is a partial sum.
 
-    def __init__(self, cfg: MoEConfig, tp_rank: int, tp_size: int) -> None:
+    expert_parallel: a rank holds E / tp whole experts (`local`, expert_range)
+    and reads only theirs. Expert parallelism's dispatch (send each token to
+    its experts' ranks) and combine (send the results back and sum them) are
+    an all-gather and a reduce-scatter over the tokens; here every rank
+    already has every token (activations are replicated across the group) and
+    routes them all with the replicated router, so dispatch is free, and a
+    rank computes the pairs whose experts it holds (local_routing); the
+    combine that leaves the sum on every rank is then one all-reduce of the
+    ranks' partial sums -- the same collective as the default's."""
+
+    def __init__(
+        self, cfg: MoEConfig, tp_rank: int, tp_size: int, *, expert_parallel: bool = False
+    ) -> None:
         super().__init__()
-        e, d = cfg.num_experts, cfg.hidden_size
-        full_i = cfg.moe_intermediate_size
-        first, i = shard(full_i, tp_rank, tp_size, "moe_intermediate_size")
+        d, full_i = cfg.hidden_size, cfg.moe_intermediate_size
+        if expert_parallel:
+            self.local = expert_range(cfg.num_experts, tp_rank, tp_size)
+            first, i = 0, full_i
+        else:
+            self.local = range(cfg.num_experts)
+            first, i = shard(full_i, tp_rank, tp_size, "moe_intermediate_size")
+        e = len(self.local)
         self.num_experts, self.intermediate_size, self.tp_size = e, i, tp_size
+        # At one rank expert parallelism holds every expert: nothing to remap.
+        self.routes_locally = e < cfg.num_experts
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
-        # shard id -> ExpertShard; the loader checks that every listed shard is
-        # filled exactly once.
+        # shard id (global expert ids) -> ExpertShard (local index); the loader
+        # checks that every listed shard is filled exactly once.
         self.w13_weight.shard_offsets = {  # type: ignore[attr-defined]
-            (x, half): ExpertShard(x, half * i, i, 0, first, i, (full_i, d))
-            for x in range(e) for half in (0, 1)
+            (x, half): ExpertShard(x - self.local.start, half * i, i, 0, first, i, (full_i, d))
+            for x in self.local for half in (0, 1)
         }  # fmt: skip
         self.w13_weight.weight_loader = _expert_weight_loader  # type: ignore[attr-defined]
         self.w2_weight.shard_offsets = {  # type: ignore[attr-defined]
-            x: ExpertShard(x, 0, d, 1, first, i, (d, full_i)) for x in range(e)
+            x: ExpertShard(x - self.local.start, 0, d, 1, first, i, (d, full_i)) for x in self.local
         }
         self.w2_weight.weight_loader = _expert_weight_loader  # type: ignore[attr-defined]
         for param in (self.w13_weight, self.w2_weight):
-            mark_reads_part(param, tp_size > 1)
+            param.expert_ids = self.local  # type: ignore[attr-defined]
+            # A lazy slice only when experts are split by features: an
+            # expert-parallel rank keeps its experts' tensors whole.
+            mark_reads_part(param, i < full_i)
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        if self.routes_locally:
+            weights, ids = local_routing(weights, ids, self.local)
         out = ctx.ops.fused_moe(
             x, self.w13_weight, self.w2_weight, weights, ids, workspace=ctx.workspace
         )
@@ -261,9 +329,10 @@ def _expert_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Any) -> No
     [E, rows_total, cols] parameter."""
     offsets: dict[Any, ExpertShard] = param.shard_offsets  # type: ignore[attr-defined]
     if shard_id not in offsets:
+        held: range = param.expert_ids  # type: ignore[attr-defined]
         raise ValueError(
-            f"expert shard {shard_id!r} does not exist: this layer stacks "
-            f"{param.shape[0]} experts (does n_routed_experts in config.json match?)"
+            f"expert shard {shard_id!r} does not exist: this layer holds experts "
+            f"{held.start}..{held.stop - 1} (does n_routed_experts in config.json match?)"
         )
     where = offsets[shard_id]
     if checkpoint_shape(loaded) != where.full:
@@ -276,13 +345,17 @@ def _expert_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Any) -> No
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts (weighted by the gate) plus always-on shared experts."""
+    """Routed experts (weighted by the gate) plus always-on shared experts.
+    expert_parallel: the routed experts split whole across the ranks
+    (FusedExperts); the router and the shared experts are the same either way."""
 
-    def __init__(self, cfg: MoEConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, cfg: MoEConfig, tp_rank: int = 0, tp_size: int = 1, *, expert_parallel: bool = False
+    ) -> None:
         super().__init__()
         cfg.validate()
         self.gate = TopkRouter(cfg)
-        self.experts = FusedExperts(cfg, tp_rank, tp_size)
+        self.experts = FusedExperts(cfg, tp_rank, tp_size, expert_parallel=expert_parallel)
         if cfg.n_shared_experts:
             self.shared_experts: SwiGLUMLP | None = SwiGLUMLP(
                 cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
@@ -300,9 +373,10 @@ class DeepseekMoE(nn.Module):
 
     def warmup_token_counts(self, max_num_batched_tokens: int) -> list[int]:
         """One token count per size class of the fused-MoE kernel's tile table
-        (kernels/moe/tiles.py) for this layer's routing shape."""
+        (kernels/moe/tiles.py) for this layer's routing shape: all T*K pairs
+        over the experts this rank holds (every pair is computed, local_routing)."""
         c = self.gate.cfg
-        return moe_token_classes(max_num_batched_tokens, c.top_k, c.num_experts)
+        return moe_token_classes(max_num_batched_tokens, c.top_k, self.experts.num_experts)
 
 
 def _fp32_param(*shape: int) -> nn.Parameter:

@@ -189,6 +189,8 @@ class AsyncLLMEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        if self._error is not None and self.ready:
+            raise EngineNotReadyError(f"the engine can serve no more: {self._error}")
         if self._closing:
             raise EngineNotReadyError("the server is shutting down")
         if not self.ready:
@@ -229,15 +231,19 @@ class AsyncLLMEngine:
             self._tokenizer.max_token_chars  # noqa: B018  (read the vocabulary here, not on the loop)
         self._ready.set()
         logger.info("engine ready")
+        reason = "the server is shutting down"
         while True:
             if not self._apply_commands(block=not engine.has_unfinished_requests()):
                 break
-            if engine.has_unfinished_requests():
-                self._step()
+            if engine.has_unfinished_requests() and not self._step():
+                reason = f"the engine died: {self._error}"
+                break
             self._stats = engine.stats()
             self._tracker.flush(self._loop)
-        self._fail_all(RequestFailedError("the server is shutting down"))
+        self._closing = True
+        self._fail_all(RequestFailedError(reason))
         self._tracker.flush(self._loop)
+        engine.shutdown()
 
     def _start_engine(self) -> bool:
         from tinyengine.config import EngineConfig
@@ -319,16 +325,23 @@ class AsyncLLMEngine:
             if self._tracker.finish(request_id, "abort", now):
                 self._engine.abort_request(request_id)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False when the engine can serve no more (a
+        tensor-parallel rank died: EngineDeadError)."""
         try:
             outputs = self._engine.step()
         except Exception as exc:
+            if type(exc).__name__ == "EngineDeadError":  # named: importing it imports torch
+                logger.error("the engine died: %s", exc)
+                self._error = f"{type(exc).__name__}: {exc}"
+                return False
             logger.exception("engine step failed; failing the requests it was running")
             self._fail_step(exc)
-            return
+            return True
         now = time.monotonic()
         for output in outputs:
             self._tracker.output(output, now)
+        return True
 
     def _fail_step(self, exc: Exception) -> None:
         """Fail what the broken step ran. The engine has already dropped those

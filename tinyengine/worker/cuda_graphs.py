@@ -104,3 +104,24 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
+
+
+def capture_skip_reason(config: Any, device_type: str, ops_name: str) -> str:
+    """Why the capture stage records no graph for this EngineConfig ("" when
+    it will record)."""
+    if config.enforce_eager:
+        return "enforce_eager"
+    if config.graph_backend == "none":
+        return "graph_backend='none'"
+    if config.batch_invariant and ops_name == "torch":
+        return "batch_invariant (torch ops read lengths on the host)"
+    if config.graph_backend != "recording" and device_type != "cuda":
+        return "no CUDA device"
+    return ""
+
+
+def graph_backend(name: str, device: torch.device, workspace: Any) -> Any:
+    """The backend EngineConfig.graph_backend names, where capture runs."""
+    if name == "recording":
+        return RecordingGraphBackend(workspace)
+    return CudaGraphBackend(device)

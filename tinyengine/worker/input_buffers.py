@@ -10,6 +10,7 @@ leave graphs reading stale memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,32 @@ class InputBuffers:
             block_tables=zeros(max_seqs, max_blocks, dtype=torch.int32),
             logits_indices=zeros(max_seqs, dtype=torch.int64),
         )
+
+
+    def write_step(self, inputs: Any, pad_slot: int) -> None:
+        """A step's StepInputs (worker/step_inputs.py) into the buffers. A
+        graph-shaped step is padded to its graph's size with one-token
+        sequences whose K/V go to `pad_slot` (in the reserved dummy block):
+        they compute garbage that nobody reads and never touch a live block."""
+        tables = [self.block_tables]
+        if self.entry_block_tables is not None:
+            tables.append(self.entry_block_tables)
+        for buffer, table in zip(tables, inputs.tables, strict=True):
+            rows, width = table.shape
+            buffer[:rows, :width].copy_(torch.from_numpy(table), non_blocking=True)
+        size = inputs.graph_size
+        if size is None:
+            write(self.input_ids, inputs.input_ids)
+            write(self.positions, inputs.positions)
+            write(self.slot_mapping, inputs.slots)
+            write(self.query_start_loc, inputs.query_start_loc)
+            write(self.seq_lens, inputs.seq_lens)
+            return
+        write(self.input_ids, inputs.input_ids, pad_to=size)
+        write(self.positions, inputs.positions, pad_to=size)
+        write(self.slot_mapping, inputs.slots, pad_to=size, pad=pad_slot)
+        write(self.query_start_loc, range(size + 1))
+        write(self.seq_lens, inputs.seq_lens, pad_to=size, pad=1)
 
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}

@@ -24,28 +24,21 @@ from typing import Any
 
 import torch
 
-from tinyengine.scheduling.scheduler import SchedulerOutput
 from tinyengine.worker.sample_output import PromptLogprobRows, ranked_logprobs
+from tinyengine.worker.step_inputs import PromptRows
 
 _ROWS_PER_SLICE = 256
 
 
 def prompt_logprobs(
-    model: Any, ops: Any, hidden: torch.Tensor, plan: SchedulerOutput
+    model: Any, ops: Any, hidden: torch.Tensor, work: list[PromptRows]
 ) -> PromptLogprobRows:
-    """The rows of this step's prompt positions, for each scheduled request
-    with prompt_logprobs; `hidden` holds the step's rows in plan order."""
+    """The rows of this step's prompt positions, for each request in `work`
+    (worker/step_inputs.py's prompt_rows); `hidden` holds the step's rows."""
     out: PromptLogprobRows = {}
-    offset = 0  # the first hidden row of each scheduled request
-    for sched in plan.scheduled:
-        request, n = sched.request, sched.num_new_tokens
-        num_top = request.sampling_params.prompt_logprobs
-        stop = min(sched.start + n, len(request.prompt_token_ids) - 1)
-        if num_top is not None and stop > sched.start:
-            rows = hidden[offset : offset + stop - sched.start]
-            targets = request.prompt_token_ids[sched.start + 1 : stop + 1]
-            out[request.request_id] = (sched.start + 1, _rows(model, ops, rows, targets, num_top))
-        offset += n
+    for w in work:
+        rows = hidden[w.offset : w.offset + len(w.targets)]
+        out[w.request_id] = (w.first, _rows(model, ops, rows, w.targets, w.num_top))
     return out
 
 

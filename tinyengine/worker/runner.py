@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tinyengine.config import EngineConfig
+from tinyengine.distributed.tp import tp_group
 from tinyengine.kernels import choose_ops
 from tinyengine.kernels.batch_invariant import batch_invariant_ops
 from tinyengine.kernels.workspace import Workspace
@@ -31,17 +32,18 @@ from tinyengine.scheduling.block_manager import SlidingGroup
 from tinyengine.scheduling.scheduler import SchedulerOutput
 from tinyengine.worker.block_table import HostBlockTable
 from tinyengine.worker.cuda_graphs import (
-    CudaGraphBackend,
     DecodeGraphs,
-    RecordingGraphBackend,
+    capture_skip_reason,
     default_capture_sizes,
+    graph_backend,
 )
 from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_cache, bytes_per_block, sliding_keep, zero_cache
 from tinyengine.worker.prompt_logprobs import prompt_logprobs
 from tinyengine.worker.request_sampling import RequestSamplingState
-from tinyengine.worker.sample_output import StepLaunch
+from tinyengine.worker.sample_output import PromptLogprobRows, StepLaunch
 from tinyengine.worker.sampler import Sampler
+from tinyengine.worker.step_inputs import StepInputs, prompt_rows
 from tinyengine.worker.step_rows import NO_ROWS, StepRows, step_rows
 
 
@@ -88,15 +90,21 @@ class ModelRunner:
         self.profiler: Any = None
         # Asynchronous scheduling: the last launched step's sampled ids (on the
         # device) by request, and this step's rows that read one of them.
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
-        self._inflight_rows: list[tuple[int, str]] = []
+        self._last_sampled: torch.Tensor | None = None
+        self._last_row_of: dict[str, int] = {}
+        # The other tensor-parallel ranks (distributed/workers.py's
+        # WorkerGroup) once startup is READY; None with one rank, and on
+        # every rank while the startup stages run (each runs them itself).
+        self.peers: Any = None
 
     # --- stage work: load, KV cache ---
 
     def load_model(self) -> None:
+        tp = tp_group()
         self.model = load_model(
-            self.config.model, self.hf_config, self.dtype, self.device, self.config.load_format
-        )
+            self.config.model, self.hf_config, self.dtype, self.device, self.config.load_format,
+            tp_rank=tp.rank, tp_size=tp.size, expert_parallel=self.config.enable_expert_parallel,
+        )  # fmt: skip
         for module in self.model.modules():  # max_model_len may pass the model's positions
             if isinstance(module, RopeCache):
                 module.cover_positions(self.max_model_len)
@@ -133,63 +141,67 @@ class ModelRunner:
     def zero_kv_cache(self) -> None:
         zero_cache(self.kv_caches)
 
-    # --- one step ---
+    # --- one step: inputs on the host, then the forward on every rank ---
 
-    def _rows(self, plan: SchedulerOutput) -> StepRows:
-        """The step's rows (worker/step_rows.py); remembers which rows wait
-        for a token still in flight, for `_fill_inflight`."""
-        rows, self._inflight_rows = step_rows(plan, self.block_table, self.block_size)
-        return rows
+    def step_inputs(self, plan: SchedulerOutput) -> tuple[StepInputs, list[int]]:
+        """The host half of a step: its rows, block tables and which rows
+        sample, as a StepInputs; and the indices (into plan.scheduled) of the
+        requests that sample. A decode batch a captured graph fits is padded
+        to that graph's size."""
+        rows, waiting = step_rows(plan, self.block_table, self.block_size)
+        # Rows whose token the last launch sampled read it on the device.
+        inflight = [(row, self._last_row_of[request_id]) for row, request_id in waiting]
+        scheduled = plan.scheduled
+        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+        is_decode = all(s.num_new_tokens == 1 for s in scheduled)
+        size = self.graphs.padded_size(len(scheduled)) if self.graphs and is_decode else None
+        if size is not None:
+            inputs = self._decode_inputs(size, rows)
+            logits_rows = sampling  # one row per request
+        else:
+            input_ids, positions, slots, seq_lens, table = rows
+            q_lens = [s.num_new_tokens for s in scheduled]
+            query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
+            seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
+            inputs = self._eager_inputs(input_ids, positions, slots, query_start_loc, seq_lens,
+                                        table)  # fmt: skip
+            logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]  # each one's last
+        inputs.inflight, inputs.logits_rows = inflight, logits_rows
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
+            inputs.prompt_rows = prompt_rows(plan)
+        return inputs, sampling
 
-    def _fill_inflight(self) -> None:
-        """input_ids[row] = the id the last launched step sampled for that
-        request, copied on the device (stream order puts it after that step)."""
-        if not self._inflight_rows:
-            return
-        tokens, row_of = self._last_sampled
-        dst = [row for row, _ in self._inflight_rows]
-        src = [row_of[request_id] for _, request_id in self._inflight_rows]
-        index = torch.tensor([dst, src], dtype=torch.long).to(self.device, non_blocking=True)
-        ids = self.buffers.input_ids
-        ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(ids.dtype))
+    def _decode_inputs(self, size: int, rows: StepRows) -> StepInputs:
+        input_ids, positions, slots, seq_lens, (table_rows, width) = rows
+        return StepInputs(size, input_ids, positions, slots, seq_lens, None,
+                          self._tables(table_rows, width, size))  # fmt: skip
 
-    def _write_tables(self, table_rows: np.ndarray, width: int, pad_to: int = 0) -> None:
+    def _eager_inputs(self, input_ids, positions, slots, query_start_loc, seq_lens, table):
+        """`table`: (rows, width) as _tables takes them."""
+        return StepInputs(None, input_ids, positions, slots, seq_lens, query_start_loc,
+                          self._tables(*table))  # fmt: skip
+
+    def _tables(self, table_rows: np.ndarray, width: int, pad_to: int = 0) -> list[np.ndarray]:
         """The scheduled rows' block tables (padded with rows that read only
         the dummy blocks), and only the columns some row uses: kernels read a
         row's entries below its seq_len alone, so stale columns further right
         are never looked at (and a full-width table is megabytes per step at
         long max_model_len)."""
-        tables = [
-            (
-                self.buffers.block_tables,
-                self.block_table.gather(table_rows, width, pad_to, self.dummy_block),
-            )
-        ]
+        tables = [self.block_table.gather(table_rows, width, pad_to, self.dummy_block)]
         if self.keep is not None:
-            tables.append((self.buffers.entry_block_tables, self.block_table.gather_entries(
-                table_rows, width, pad_to, self.entry_dummy_block)))  # fmt: skip
-        for buffer, table in tables:
-            num_rows = table.shape[0]
-            buffer[:num_rows, :width].copy_(torch.from_numpy(table), non_blocking=True)
+            tables.append(self.block_table.gather_entries(table_rows, width, pad_to,
+                                                          self.entry_dummy_block))  # fmt: skip
+        return tables
 
-    def prepare_inputs(self, plan: SchedulerOutput) -> ForwardContext:
-        """Write an eager step's inputs into the persistent buffers."""
-        input_ids, positions, slots, seq_lens, table = self._rows(plan)
-        q_lens = [s.num_new_tokens for s in plan.scheduled]
-        query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
-        seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
-        return self._write_eager(input_ids, positions, slots, query_start_loc, seq_lens, table)
-
-    def _write_eager(self, input_ids, positions, slots, query_start_loc, seq_lens, table):
-        """`table`: (rows, width) as _write_tables takes them."""
-        b = self.buffers
-        write(b.input_ids, input_ids)
-        write(b.positions, positions)
-        write(b.slot_mapping, slots)
-        write(b.query_start_loc, query_start_loc)
-        write(b.seq_lens, seq_lens)
-        self._write_tables(*table)
-        num_tokens, num_seqs = len(input_ids), len(seq_lens)
+    def write_inputs(self, inputs: StepInputs) -> ForwardContext:
+        """Write a step's inputs into the persistent buffers; returns its
+        context (a graph-shaped step's is the fixed one its graph captured)."""
+        b, size = self.buffers, inputs.graph_size
+        b.write_step(inputs, pad_slot=self.dummy_block * self.block_size)
+        if size is not None:
+            return self.decode_context(size)
+        query_start_loc, seq_lens = inputs.query_start_loc, inputs.seq_lens
+        num_tokens, num_seqs = inputs.num_tokens, len(seq_lens)
         attn = AttentionMetadata(
             num_tokens=num_tokens,
             num_seqs=num_seqs,
@@ -222,7 +234,7 @@ class ModelRunner:
         starts = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
         num_tokens = starts[-1]
         width = -(-max(seq_lens) // self.block_size)
-        ctx = self._write_eager(
+        ctx = self.write_inputs(self._eager_inputs(
             [(7919 * t + 13) % self.vocab_size for t in range(num_tokens)],
             [s - q + j for q, s in zip(q_lens, seq_lens, strict=True) for j in range(q)],
             [self.dummy_block * self.block_size] * num_tokens,
@@ -230,7 +242,7 @@ class ModelRunner:
             seq_lens,
             # Padding rows only: every position of every row reads a dummy block.
             (np.empty(0, dtype=np.int64), width, len(seq_lens)),
-        )
+        ))  # fmt: skip
         b = self.buffers
         return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
 
@@ -258,17 +270,8 @@ class ModelRunner:
         return ctx
 
     def write_decode_inputs(self, size: int, rows: StepRows) -> None:
-        """Decode rows into the buffers, padded to `size` rows. Padding rows are
-        one-token sequences in the reserved dummy block: they compute garbage
-        that nobody reads and can never touch a live block."""
-        input_ids, positions, slots, seq_lens, (table_rows, width) = rows
-        b = self.buffers
-        write(b.input_ids, input_ids, pad_to=size)
-        write(b.positions, positions, pad_to=size)
-        write(b.slot_mapping, slots, pad_to=size, pad=self.dummy_block * self.block_size)
-        write(b.query_start_loc, range(size + 1))
-        write(b.seq_lens, seq_lens, pad_to=size, pad=1)
-        self._write_tables(table_rows, width, size)
+        """Decode rows into the buffers, padded to `size` rows."""
+        self.write_inputs(self._decode_inputs(size, rows))
 
     def decode_step(self, size: int) -> Callable[[], torch.Tensor]:
         """The callable a decode graph captures: the model over `size` rows."""
@@ -278,84 +281,92 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput) -> StepLaunch:
         """Enqueue the step's forward and sampling on the device and start the
-        copy of its results to the host, without waiting for any of it."""
-        prof = self.profiler
-        hidden, sample_rows = self._forward(plan, prof)
-        prompt_rows = None
-        if any(s.request.sampling_params.prompt_logprobs is not None for s in plan.scheduled):
-            # syncs (see its module docstring)
-            prompt_rows = prompt_logprobs(self.model, self.ops, hidden, plan)
-        sampling = [i for i, row in enumerate(sample_rows) if row >= 0]
-        if not sampling:
-            if prof is not None:
-                prof.forward_end()
-            return StepLaunch(len(sample_rows), sampling, None, prompt_rows)
-        b = self.buffers
-        write(b.logits_indices, [sample_rows[i] for i in sampling])
-        logits = self.model.compute_logits(hidden[b.logits_indices[: len(sampling)]], self.ops)
-        if prof is not None:  # the profiled "forward" includes the lm_head
-            prof.forward_end()
+        copy of its results to the host, without waiting for any of it. With
+        several tensor-parallel ranks (`peers`, set once startup is READY)
+        the other ranks get the step's inputs first and run the same forward;
+        only this rank samples, and shares the ids the next step may read."""
+        inputs, sampling = self.step_inputs(plan)
+        peers = self.peers
+        if peers is None:
+            return self._launch(plan, inputs, sampling)
+        peers.run_step(inputs)
+        try:
+            return self._launch(plan, inputs, sampling)
+        except Exception as exc:  # the workers ran on (or died): the ranks are out of step
+            raise peers.dead_error(exc) from exc
 
+    def _launch(self, plan: SchedulerOutput, inputs: StepInputs, sampling: list[int]) -> StepLaunch:
+        logits, prompt_rows = self.forward_step(inputs)
+        if logits is None:
+            return StepLaunch(len(plan.scheduled), sampling, None, prompt_rows)
         requests = [plan.scheduled[i].request for i in sampling]
         params, generators, banned, histories = self.request_sampling.rows(
             requests, logits.shape[-1]
         )
         pending = self.sampler.sample(logits, params, generators, banned, histories)
-        # The next step may read these ids on the device (asynchronous scheduling).
-        self._last_sampled = (pending.token_ids, {r.request_id: i for i, r in enumerate(requests)})
-        return StepLaunch(len(sample_rows), sampling, pending, prompt_rows)
+        self.remember_sampled(pending.token_ids, [r.request_id for r in requests])
+        if self.peers is not None:
+            self.peers.share_sampled(pending.token_ids)
+        return StepLaunch(len(plan.scheduled), sampling, pending, prompt_rows)
 
-    def _forward(self, plan: SchedulerOutput, prof: Any = None) -> tuple[torch.Tensor, list[int]]:
-        """Replay a decode graph when one fits the batch, else run eagerly.
-        Returns hidden states and, per scheduled request, its sampling row."""
-        num_seqs = len(plan.scheduled)
-        is_decode = all(s.num_new_tokens == 1 for s in plan.scheduled)
-        size = self.graphs.padded_size(num_seqs) if self.graphs and is_decode else None
-        if size is not None:
-            self.write_decode_inputs(size, self._rows(plan))
-            self._fill_inflight()
-            if prof is not None:
-                prof.forward_start()
-            hidden = self.graphs.replay(size, self.decode_step(size))
-            # A one-token chunk of a prompt is decode-shaped but does not sample.
-            return hidden, [i if s.samples else -1 for i, s in enumerate(plan.scheduled)]
-        ctx = self.prepare_inputs(plan)
-        self._fill_inflight()
+    @torch.inference_mode()
+    def forward_step(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor | None, PromptLogprobRows | None]:
+        """What every rank runs of a step: write the inputs, replay the decode
+        graph of its size or run eagerly, then the logits of the sampling rows
+        (None when none samples) and the prompt logprobs asked for (their
+        logits are collectives too, so every rank computes them)."""
+        prof = self.profiler
+        ctx = self.write_inputs(inputs)
+        self._fill_inflight(inputs.inflight)
         if prof is not None:
             prof.forward_start()
-        b, n = self.buffers, ctx.attn.num_tokens
-        hidden = self.model(b.input_ids[:n], b.positions[:n], ctx)
-        ends = ctx.attn.query_start_loc_cpu[1:]
-        rows = [end - 1 if s.samples else -1 for s, end in zip(plan.scheduled, ends, strict=True)]
-        return hidden, rows
+        b, size = self.buffers, inputs.graph_size
+        if size is not None:
+            hidden = self.graphs.replay(size, self.decode_step(size))
+        else:
+            n = inputs.num_tokens
+            hidden = self.model(b.input_ids[:n], b.positions[:n], ctx)
+        prompt = None
+        if inputs.prompt_rows:  # syncs (see its module docstring)
+            prompt = prompt_logprobs(self.model, self.ops, hidden, inputs.prompt_rows)
+        logits = None
+        if inputs.logits_rows:
+            k = len(inputs.logits_rows)
+            write(b.logits_indices, inputs.logits_rows)
+            logits = self.model.compute_logits(hidden[b.logits_indices[:k]], self.ops)
+        if prof is not None:  # the profiled "forward" includes the lm_head
+            prof.forward_end()
+        return logits, prompt
+
+    def remember_sampled(self, token_ids: torch.Tensor, request_ids: list[str]) -> None:
+        """The ids just sampled (one per request, on the device): the next
+        step's rows whose token is still in flight read them (asynchronous
+        scheduling). Workers get rank 0's ids, without the request ids."""
+        self._last_sampled = token_ids
+        self._last_row_of = {request_id: i for i, request_id in enumerate(request_ids)}
+
+    def _fill_inflight(self, inflight: list[tuple[int, int]]) -> None:
+        """input_ids[row] = the id the last launched step sampled in row
+        `index`, copied on the device (stream order puts it after that step)."""
+        if not inflight:
+            return
+        index = torch.tensor(list(zip(*inflight, strict=True)), dtype=torch.long)
+        index = index.to(self.device, non_blocking=True)
+        ids = self.buffers.input_ids
+        ids.index_copy_(0, index[0], self._last_sampled.index_select(0, index[1]).to(ids.dtype))
 
     # --- stage work: capture ---
 
     def capture_enabled(self) -> bool:
         """Whether capture will record graphs (sets capture_skip_reason if not)."""
-        if self.config.enforce_eager or self.config.graph_backend == "none":
-            self.capture_skip_reason = (
-                "enforce_eager" if self.config.enforce_eager else "graph_backend='none'"
-            )
-            return False
-        if self.config.batch_invariant and self.ops.name == "torch":
-            self.capture_skip_reason = "batch_invariant (torch ops read lengths on the host)"
-            return False
-        if self.config.graph_backend != "recording" and self.device.type != "cuda":
-            self.capture_skip_reason = "no CUDA device"
-            return False
-        return True
+        self.capture_skip_reason = capture_skip_reason(self.config, self.device.type, self.ops.name)
+        return not self.capture_skip_reason
 
     def graph_sizes(self) -> list[int]:
         """The decode sizes capture will record ([] when it will not)."""
         return self.capture_sizes if self.capture_enabled() else []
-
-    def make_graph_backend(self) -> CudaGraphBackend | RecordingGraphBackend | None:
-        if not self.capture_enabled():
-            return None
-        if self.config.graph_backend == "recording":
-            return RecordingGraphBackend(self.workspace)
-        return CudaGraphBackend(self.device)
 
     @torch.inference_mode()
     def run_decode_shape(self, size: int) -> torch.Tensor:
@@ -366,9 +377,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture(self) -> list[int] | None:
-        backend = self.make_graph_backend()
-        if backend is None:
+        if not self.capture_enabled():
             return None
+        backend = graph_backend(self.config.graph_backend, self.device, self.workspace)
         from tqdm.auto import tqdm  # a bar over the sizes; hidden when stderr is not a TTY
 
         graphs = DecodeGraphs(backend)
@@ -389,4 +400,4 @@ class ModelRunner:
         """Forget the launched steps' sampled ids (their step failed): no later
         step may read them as its input."""
         self._last_sampled = None
-        self._inflight_rows = []
+        self._last_row_of = {}

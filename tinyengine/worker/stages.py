@@ -56,6 +56,7 @@ class StartupStages:
         config.resolve_limits(device)
         config.resolve_block_size(hf_config, device)
         config.check_batch_invariant(hf_config, device)
+        config.check_devices(device)
         dtype = config.resolved_dtype(hf_config, device)
         config.resolve_max_model_len(hf_config)
         runner = ModelRunner(config, hf_config, device, dtype)
@@ -126,14 +127,26 @@ class StartupStages:
     def size_kv(self, profile: ProfileResult) -> int:
         """Allocate the KV cache: `num_kv_blocks` from the config, else what
         the budget holds after the profiled peak. Returns the usable blocks."""
-        runner = self.runner
-        num_sliding = sliding_blocks_wanted(runner.keep, runner.block_size, runner.config)
-        spec = runner.model.kv_cache_spec()
-        num_blocks = runner.config.num_kv_blocks or self._blocks_for_budget(
-            profile, sliding_bytes(spec, num_sliding, runner.block_size, runner.dtype)
-        )
-        runner.allocate_kv_cache(num_blocks, num_sliding)
+        num_blocks = self.plan_kv(profile)
+        self.allocate_kv(num_blocks)
         return num_blocks
+
+    def plan_kv(self, profile: ProfileResult) -> int:
+        """The usable blocks this rank's budget holds (size_kv's first half:
+        with several ranks, each plans and all allocate the minimum)."""
+        runner = self.runner
+        if runner.config.num_kv_blocks:
+            return runner.config.num_kv_blocks
+        spec = runner.model.kv_cache_spec()
+        sliding = sliding_bytes(spec, self._num_sliding(), runner.block_size, runner.dtype)
+        return self._blocks_for_budget(profile, sliding)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, self._num_sliding())
+
+    def _num_sliding(self) -> int:
+        runner = self.runner
+        return sliding_blocks_wanted(runner.keep, runner.block_size, runner.config)
 
     def warmup(self, num_kv_blocks: int) -> None:
         run_warmup(self.runner, num_kv_blocks)
@@ -143,6 +156,9 @@ class StartupStages:
 
     def lock(self) -> None:
         self.runner.workspace.lock()
+
+    def shutdown(self) -> None:
+        """Nothing to end with one rank (LockstepStages ends its workers)."""
 
     # --- the probes the machine reads around each stage ---
 

@@ -96,6 +96,7 @@ class Stages(Protocol):
     def warmup(self, num_kv_blocks: int) -> None: ...
     def capture(self) -> list[int] | None: ...  # captured sizes; None = skipped
     def lock(self) -> None: ...
+    def shutdown(self) -> None: ...  # ends what the stages started (worker processes)
     def set_stage(self, name: str) -> None: ...  # tells the workspace who is growing it
     def workspace_bytes(self) -> int: ...
     def workspace_growths(self) -> int: ...
@@ -163,8 +164,16 @@ class StartupMachine:
     @classmethod
     def for_config(cls, config: EngineConfig) -> StartupMachine:
         """A machine at CREATED over the real stages for `config` (resolved in
-        place for its model and device; nothing is loaded yet)."""
-        return cls(StartupStages.for_config(config))
+        place for its model and device; nothing is loaded yet). With
+        tensor_parallel_size > 1 every stage runs on every rank in lockstep
+        (distributed/lockstep.py); the worker processes start in `load`."""
+        stages = StartupStages.for_config(config)
+        if config.tensor_parallel_size > 1:
+            from tinyengine.distributed.lockstep import LockstepStages
+            from tinyengine.distributed.workers import WorkerGroup
+
+            return cls(LockstepStages(stages, WorkerGroup(config)))
+        return cls(stages)
 
     # --- the transitions, one method each ---
 

@@ -1,0 +1,163 @@
+"""The tensor-parallel engine end to end on CPU processes (gloo): `LLM(...,
+tensor_parallel_size=N)` starts N - 1 worker processes, runs every startup
+stage on every rank in lockstep, and serves with rank 0 scheduling and
+sampling while every rank runs the forward over its shard.
+
+Greedy tokens with 2 ranks (and 4 for one model) equal one process's, fp32,
+under a configuration that chunks prompts, hits the prefix cache and
+preempts (the stats prove each happened), with asynchronous scheduling
+(rank 0 shares each step's sampled ids). A worker killed mid-run gives a
+clear error on rank 0 within seconds and leaves no process; a stage failing
+on one rank fails startup on all of them with that rank's error; `del llm`
+and shutdown() end every worker."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed.test_tensor_parallel import _build
+from tinyengine import LLM, SamplingParams
+from tinyengine.distributed.lockstep import RankFailedError
+from tinyengine.distributed.workers import EngineDeadError
+
+# Chunks of 24 tokens, 4 sequences, a cache of 14 blocks of 8 tokens: six
+# prompts of 34-57 tokens sharing a 24-token prefix, 12 new tokens each.
+ENGINE = dict(
+    max_num_batched_tokens=24, max_num_seqs=4, block_size=8, num_kv_blocks=14,
+    max_model_len=96, print_startup_report=False,
+)  # fmt: skip
+PREFIX = [11, 23, 5, 87, 140, 3, 66, 9, 250, 31, 7, 18, 44, 2, 91, 120, 8, 77, 6, 39, 15, 4, 200, 13]
+PROMPTS = [PREFIX + [(17 * i + 3 * j) % 300 + 1 for j in range(10 + 5 * i)] for i in range(6)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _workers(llm: LLM) -> list[subprocess.Popen]:
+    return llm.engine.startup.stages.workers._processes.procs
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek-v3"])
+def test_two_ranks_generate_the_one_process_tokens(name, tmp_path):
+    path = _build(name, tmp_path / name)
+    one = LLM(path, **ENGINE)
+    want = _generate(one)
+    stats = one.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    del one
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    assert len(procs) == 1 and procs[0].poll() is None
+    assert _generate(llm) == want
+    got = llm.stats()
+    assert got["tensor_parallel_size"] == 2
+    assert got["num_preemptions"] == stats["num_preemptions"]
+    assert got["prefix_cache_hit_tokens"] == stats["prefix_cache_hit_tokens"]
+    assert got["num_free_blocks"] == got["num_total_blocks"]
+    del llm
+    gc.collect()
+    assert procs[0].wait(timeout=15) is not None  # `del llm` ends the worker
+
+
+def test_four_ranks_and_a_shutdown(tmp_path):
+    path = _build("llama", tmp_path / "llama")
+    want = _generate(LLM(path, **ENGINE))
+    llm = LLM(path, tensor_parallel_size=4, **ENGINE)
+    procs = _workers(llm)
+    assert len(procs) == 3
+    assert _generate(llm) == want
+    llm.shutdown()
+    assert all(p.poll() is not None for p in procs)
+    llm.shutdown()  # idempotent
+
+
+def test_a_killed_worker_is_a_clear_error_and_leaves_no_process(tmp_path):
+    path = _build("llama", tmp_path / "llama")
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    (proc,) = _workers(llm)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))  # fmt: skip
+    engine.step()
+    os.kill(proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+        for _ in range(100):
+            engine.step()
+    assert time.monotonic() - start < 10
+    assert proc.poll() is not None
+    with pytest.raises(EngineDeadError, match="rank 1"):  # and it stays dead
+        engine.add_request({"prompt_token_ids": PROMPTS[1]}, GREEDY)
+        engine.step()
+    llm.shutdown()
+
+
+FAIL_ON_RANK_1 = """
+import sys
+if sys.argv[:2] == ["-m", "1"]:  # the worker of rank 1 (tinyengine/distributed/worker_main.py)
+    from tinyengine.worker.stages import StartupStages
+
+    def warmup(self, num_kv_blocks):
+        raise RuntimeError("injected warmup failure")
+
+    StartupStages.warmup = warmup
+"""
+
+
+def test_a_stage_failing_on_one_rank_fails_startup_everywhere(tmp_path, monkeypatch):
+    path = _build("llama", tmp_path / "llama")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    from tinyengine.engine import LLMEngine
+    from tinyengine.config import EngineConfig
+    from tinyengine.worker.startup import StartupMachine
+
+    config = EngineConfig.from_kwargs(path, tensor_parallel_size=2, **ENGINE)
+    machine = StartupMachine.for_config(config)
+    with pytest.raises(RankFailedError, match="rank 1: RuntimeError: injected warmup failure"):
+        LLMEngine(config, machine)
+    assert machine.state.value == "failed"
+    assert machine.report.error == "warmup: RankFailedError: rank 1: RuntimeError: injected warmup failure"
+    assert [s.name for s in machine.report.stages] == ["load", "profile", "size_kv"]
+    procs = machine.stages.workers._processes.procs
+    assert all(p.poll() is not None for p in procs)
+    assert not [line for line in _ps() if "tinyengine.distributed.worker_main" in line]
+    # The process group is gone: a new engine can start in this process.
+    monkeypatch.delenv("PYTHONPATH")
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    assert len(_generate(llm)) == len(PROMPTS)
+    llm.shutdown()
+
+
+def test_a_stage_failing_on_rank_0_ends_the_workers_waiting_for_it(tmp_path, monkeypatch):
+    """Rank 0 fails before warmup's first forward; the worker, already in
+    that forward's all-reduce, would wait for it forever: it is killed."""
+    from tinyengine.worker.stages import StartupStages
+
+    def warmup(self, num_kv_blocks):
+        raise RuntimeError("injected on rank 0")
+
+    monkeypatch.setattr(StartupStages, "warmup", warmup)
+    path = _build("llama", tmp_path / "llama")
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 0: RuntimeError: injected on rank 0"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    gc.collect()
+    assert time.monotonic() - start < 60
+    assert not [line for line in _ps() if "tinyengine.distributed.worker_main" in line]
+
+
+def _ps() -> list[str]:
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
