@@ -81,7 +81,7 @@ _ENGINE_FLAGS = (
     "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "num_kv_blocks", "block_size", "gpu_memory_utilization", "attention_backend",
     "cuda_graph_sizes", "graph_backend", "enforce_eager", "enable_prefix_caching", "seed",
-    "batch_invariant",
+    "batch_invariant", "tensor_parallel_size", "enable_expert_parallel",
 )  # fmt: skip
 
 
@@ -145,6 +145,13 @@ def add_common_arguments(parser: argparse.ArgumentParser, doc: str | None) -> No
         action="store_true",
         default=None,
         help="batch-invariant mode (docs/batch_invariance.md)",
+    )
+    g.add_argument("--tensor-parallel-size", type=positive_int, help="ranks (one GPU each)")
+    g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=None,
+        help="MoE: whole experts per rank instead of a slice of each",
     )
 
 
