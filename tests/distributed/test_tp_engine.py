@@ -3,7 +3,8 @@ tensor_parallel_size=N)` starts N - 1 worker processes, runs every startup
 stage on every rank in lockstep, and serves with rank 0 scheduling and
 sampling while every rank runs the forward over its shard.
 
-Greedy tokens with 2 ranks (and 4 for one model) equal one process's, fp32,
+Greedy tokens with 2 ranks (and 4 for one model), tensor- or (DeepSeek)
+expert-parallel, equal one process's, fp32,
 under a configuration that chunks prompts, hits the prefix cache and
 preempts (the stats prove each happened), with asynchronous scheduling
 (rank 0 shares each step's sampled ids). A worker killed mid-run gives a
@@ -17,7 +18,6 @@ import gc
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -31,9 +31,9 @@ from tinyengine.distributed.workers import EngineDeadError
 # prompts of 34-57 tokens sharing a 24-token prefix, 12 new tokens each.
 ENGINE = dict(
     max_num_batched_tokens=24, max_num_seqs=4, block_size=8, num_kv_blocks=14,
-    max_model_len=96, print_startup_report=False,
+    max_model_len=96, print_startup_report=False, device="cpu",
 )  # fmt: skip
-PREFIX = [11, 23, 5, 87, 140, 3, 66, 9, 250, 31, 7, 18, 44, 2, 91, 120, 8, 77, 6, 39, 15, 4, 200, 13]
+PREFIX = [11, 23, 5, 87, 140, 3, 66, 9, 250, 31, 7, 18, 44, 2, 91, 120, 8, 77, 6, 39, 15, 4, 20, 13]
 PROMPTS = [PREFIX + [(17 * i + 3 * j) % 300 + 1 for j in range(10 + 5 * i)] for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -47,15 +47,25 @@ def _workers(llm: LLM) -> list[subprocess.Popen]:
     return llm.engine.startup.stages.workers._processes.procs
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek-v3"])
-def test_two_ranks_generate_the_one_process_tokens(name, tmp_path):
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("deepseek-v3", {}),
+        ("deepseek-v3", {"enable_expert_parallel": True}),
+        ("deepseek-v2-lite", {"enable_expert_parallel": True}),
+    ],
+    ids=["llama", "qwen3", "deepseek-v3", "deepseek-v3-ep", "deepseek-v2-lite-ep"],
+)
+def test_two_ranks_generate_the_one_process_tokens(name, options, tmp_path):
     path = _build(name, tmp_path / name)
     one = LLM(path, **ENGINE)
     want = _generate(one)
     stats = one.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     del one
-    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(path, tensor_parallel_size=2, **options, **ENGINE)
     procs = _workers(llm)
     assert len(procs) == 1 and procs[0].poll() is None
     assert _generate(llm) == want
@@ -120,8 +130,8 @@ def test_a_stage_failing_on_one_rank_fails_startup_everywhere(tmp_path, monkeypa
     site.mkdir()
     (site / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    from tinyengine.engine import LLMEngine
     from tinyengine.config import EngineConfig
+    from tinyengine.engine import LLMEngine
     from tinyengine.worker.startup import StartupMachine
 
     config = EngineConfig.from_kwargs(path, tensor_parallel_size=2, **ENGINE)
@@ -129,7 +139,8 @@ def test_a_stage_failing_on_one_rank_fails_startup_everywhere(tmp_path, monkeypa
     with pytest.raises(RankFailedError, match="rank 1: RuntimeError: injected warmup failure"):
         LLMEngine(config, machine)
     assert machine.state.value == "failed"
-    assert machine.report.error == "warmup: RankFailedError: rank 1: RuntimeError: injected warmup failure"
+    error = "warmup: RankFailedError: rank 1: RuntimeError: injected warmup failure"
+    assert machine.report.error == error
     assert [s.name for s in machine.report.stages] == ["load", "profile", "size_kv"]
     procs = machine.stages.workers._processes.procs
     assert all(p.poll() is not None for p in procs)
@@ -139,6 +150,20 @@ def test_a_stage_failing_on_one_rank_fails_startup_everywhere(tmp_path, monkeypa
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     assert len(_generate(llm)) == len(PROMPTS)
     llm.shutdown()
+
+
+def test_a_worker_that_dies_while_starting_is_an_error_at_once(tmp_path, monkeypatch):
+    path = _build("llama", tmp_path / "llama")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        'import os, sys\nif sys.argv[:2] == ["-m", "1"]:\n    os._exit(7)\n'
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank 1 could not start: .*code 7"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - start < 30
 
 
 def test_a_stage_failing_on_rank_0_ends_the_workers_waiting_for_it(tmp_path, monkeypatch):
@@ -161,3 +186,13 @@ def test_a_stage_failing_on_rank_0_ends_the_workers_waiting_for_it(tmp_path, mon
 
 def _ps() -> list[str]:
     return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+
+
+@pytest.mark.gpu
+def test_more_ranks_than_gpus_is_a_clear_error(tmp_path):
+    import torch
+
+    path = _build("llama", tmp_path / "llama")
+    ranks = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={ranks} needs one GPU per rank"):
+        LLM(path, tensor_parallel_size=ranks, max_model_len=96)

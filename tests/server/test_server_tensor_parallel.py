@@ -18,6 +18,7 @@ ENV = {
     "TINYENGINE_MAX_MODEL_LEN": "256",
     "TINYENGINE_MAX_NUM_SEQS": "4",
     "TINYENGINE_PRINT_STARTUP_REPORT": "false",
+    "TINYENGINE_DEVICE": "cpu",  # CPU processes, also on a machine with one GPU
 }
 PROMPT = "The capital of France is"
 
@@ -41,7 +42,8 @@ def _gone(pid: int, timeout: float = 15.0) -> bool:
 def test_a_two_rank_server_serves_the_openai_client(tiny_text_model: str):
     import openai
 
-    llm = LLM(tiny_text_model, max_model_len=256, max_num_seqs=4, print_startup_report=False)
+    llm = LLM(tiny_text_model, max_model_len=256, max_num_seqs=4, print_startup_report=False,
+              device="cpu")  # fmt: skip
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     (want,) = llm.generate(PROMPT, greedy, use_tqdm=False)
     del llm
@@ -74,5 +76,3 @@ def test_a_killed_server_leaves_no_worker(tiny_text_model: str):
         assert _gone(workers[0], timeout=10), "the worker outlived its killed server"
     finally:
         server.stop()
-
-

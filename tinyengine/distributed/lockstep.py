@@ -24,12 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tinyengine.distributed.workers import EngineDeadError
+from tinyengine.distributed.workers import EngineDeadError, RankFailedError
 from tinyengine.worker.stages import ProfileResult, StartupStages
-
-
-class RankFailedError(RuntimeError):
-    """A startup stage failed on one or more tensor-parallel ranks."""
 
 
 @dataclass

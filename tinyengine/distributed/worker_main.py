@@ -45,7 +45,7 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
-def serve(rank: int, size: int, port: int, config_path: str) -> None:
+def serve(rank: int, size: int, port: int, config_path: str, ready: Path) -> None:
     from tinyengine.worker.stages import StartupStages
 
     config = pickle.loads(Path(config_path).read_bytes())
@@ -54,6 +54,7 @@ def serve(rank: int, size: int, port: int, config_path: str) -> None:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    ready.touch()  # rank 0 now waits in the rendezvous instead of watching this process
     meta = init_groups(rank, size, port, device)
     stages = StartupStages.for_config(config)
     runner = stages.runner
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     try:
         with torch.inference_mode():
-            serve(rank, size, port, config_path)
+            serve(rank, size, port, config_path, error_path.with_suffix(".ready"))
     except BaseException as exc:
         error_path.write_text(f"rank {rank}: {type(exc).__name__}: {exc}")
         traceback.print_exc()

@@ -47,8 +47,12 @@ from tinyengine.distributed.tp import init_tp
 # stage on another rank, short enough that a stuck peer ends in an error.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 IDLE_TIMEOUT = timedelta(days=365)  # the metadata group: commands may be hours apart
-STARTUP_TIMEOUT_S = 300.0  # for every worker to join the process group
+STARTUP_TIMEOUT_S = 300.0  # for every worker to import torch and reach the rendezvous
 _EXIT_GRACE_S = 10.0  # shutdown: how long workers get to leave before they are killed
+
+
+class RankFailedError(RuntimeError):
+    """A startup stage failed on one or more tensor-parallel ranks."""
 
 
 class EngineDeadError(RuntimeError):
@@ -159,12 +163,34 @@ class WorkerGroup:
                  str(self.size), str(port), str(config_path), str(error_file), str(os.getpid())],
                 env=env,
             ))  # fmt: skip
+        self._wait_until_joining()
         threading.Thread(target=_monitor, args=(p,), daemon=True, name="tp-monitor").start()
         device = self.config.resolved_device()
         if device == "cuda":
             torch.cuda.set_device(0)
         self.meta = init_groups(0, self.size, port, device)
         self._live = True
+
+    def _wait_until_joining(self) -> None:
+        """Wait for every worker to reach the process-group rendezvous (it
+        writes a .ready file beside its error file first): a worker that
+        dies on the way (an import error, a bad config) is an error now,
+        not a rendezvous that waits out its timeout."""
+        p = self._processes
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(range(1, self.size))
+        while waiting:
+            for rank in list(waiting):
+                if p.error_files[rank - 1].with_suffix(".ready").exists():
+                    waiting.discard(rank)
+                elif p.procs[rank - 1].poll() is not None:
+                    self.shutdown(kill=True)
+                    raise RankFailedError(f"rank {rank} could not start: {p.describe_exit(rank)}")
+            if waiting and time.monotonic() > deadline:
+                self.shutdown(kill=True)
+                raise RankFailedError(f"ranks {sorted(waiting)} did not start within "
+                                      f"{STARTUP_TIMEOUT_S:.0f} s")  # fmt: skip
+            time.sleep(0.02)
 
     def shutdown(self, kill: bool = False) -> None:
         """End every worker and leave the process group. Idempotent. Workers
