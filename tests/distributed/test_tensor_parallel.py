@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 
 import pytest
@@ -102,6 +103,12 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str) -> N
         with open(f"{out}.rank{rank}.err", "w") as f:
             f.write(traceback.format_exc())
         raise
+    # The rank's work is done; skip the interpreter's finalization, where
+    # gloo's worker thread may free a finished collective's tensors without
+    # the GIL and abort the process (test_tensor_parallel_v4.py says more).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:

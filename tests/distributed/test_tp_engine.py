@@ -23,6 +23,7 @@ import time
 import pytest
 
 from tests.distributed.test_tensor_parallel import _build
+from tests.hf_deepseek_v4 import make_tiny_v4
 from tinyengine import LLM, SamplingParams
 from tinyengine.distributed.lockstep import RankFailedError
 from tinyengine.distributed.workers import EngineDeadError
@@ -53,13 +54,17 @@ def _workers(llm: LLM) -> list[subprocess.Popen]:
         ("llama", {}),
         ("qwen3", {}),
         ("deepseek-v3", {}),
+        ("deepseek-v4", {}),
         ("deepseek-v3", {"enable_expert_parallel": True}),
         ("deepseek-v2-lite", {"enable_expert_parallel": True}),
+        ("deepseek-v4", {"enable_expert_parallel": True}),
     ],
-    ids=["llama", "qwen3", "deepseek-v3", "deepseek-v3-ep", "deepseek-v2-lite-ep"],
+    ids=["llama", "qwen3", "deepseek-v3", "deepseek-v4", "deepseek-v3-ep", "deepseek-v2-lite-ep",
+         "deepseek-v4-ep"],  # fmt: skip
 )
 def test_two_ranks_generate_the_one_process_tokens(name, options, tmp_path):
-    path = _build(name, tmp_path / name)
+    folder = tmp_path / name
+    path = str(make_tiny_v4(folder)) if name == "deepseek-v4" else _build(name, folder)
     one = LLM(path, **ENGINE)
     want = _generate(one)
     stats = one.stats()

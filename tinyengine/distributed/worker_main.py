@@ -86,14 +86,19 @@ def main(argv: list[str]) -> None:
     rank, size, port = int(argv[0]), int(argv[1]), int(argv[2])
     config_path, error_path, parent = argv[3], Path(argv[4]), int(argv[5])
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    code = 0
     try:
         with torch.inference_mode():
             serve(rank, size, port, config_path, error_path.with_suffix(".ready"))
     except BaseException as exc:
         error_path.write_text(f"rank {rank}: {type(exc).__name__}: {exc}")
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        code = 1
+    # No interpreter finalization: gloo's worker thread may still free a
+    # finished collective's tensors then, without the GIL, and abort.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

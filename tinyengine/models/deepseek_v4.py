@@ -10,7 +10,13 @@ and mix the streams (`comb`, made doubly stochastic by Sinkhorn iterations);
 take their experts from a fixed token-id table (tid2eid), `moe` layers the
 top-k of sqrt(softplus(logits)) + a correction bias; both weight the chosen
 experts by their sqrt-softplus scores, normalised and scaled. Experts and the
-shared expert clamp SwiGLU's inputs at `swiglu_limit`.
+shared expert clamp SwiGLU's inputs at `swiglu_limit`
+(models/deepseek_v4_moe.py).
+
+Tensor parallelism: attention splits its query heads and output groups
+(deepseek_v4_attention.py), the MoE each expert's intermediate features
+(deepseek_v4_moe.py), the embedding and the LM head the vocabulary; the
+mHC parameters, the norms and the router stay whole on every rank.
 
 Owns the reading of a V4 config.json (HF's field names and defaults, and the
 legacy spellings HF folds in) and the mapping of checkpoint names, HF's or
@@ -29,11 +35,9 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tinyengine.kernels.moe.tiles import moe_token_classes
-from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, HybridCacheSpec
 from tinyengine.models.deepseek_v4_attention import (
     CSA,
@@ -43,12 +47,12 @@ from tinyengine.models.deepseek_v4_attention import (
     V4Attention,
     V4AttentionDims,
     V4Rotary,
-    fp32_param,
 )
+from tinyengine.models.deepseek_v4_moe import V4MoE
 from tinyengine.models.hyper_connections import HyperConnection, HyperHead
 from tinyengine.models.layers import CausalLM, RMSNorm
-from tinyengine.models.moe import FusedExperts, MoEConfig
-from tinyengine.models.parallel_layers import ReplicatedLinear, VocabParallelEmbedding, check_tp
+from tinyengine.models.moe import MoEConfig, expert_range
+from tinyengine.models.parallel_layers import VocabParallelEmbedding
 
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _DEFAULTS: dict[str, Any] = dict(
@@ -153,92 +157,22 @@ def _rope_parameters(c: dict[str, Any], get: Any) -> tuple[dict[str, Any], dict[
     return main, compress
 
 
-# ----------------------------------------------------------------------------- MoE
-
-
-class ClampedSwiGLU(nn.Module):
-    """The shared expert: down(silu(min(gate, L)) * clamp(up, -L, L))."""
-
-    def __init__(self, hidden: int, intermediate: int, limit: float) -> None:
-        super().__init__()
-        self.limit = limit
-        self.gate_proj = ReplicatedLinear(hidden, intermediate, False)
-        self.up_proj = ReplicatedLinear(hidden, intermediate, False)
-        self.down_proj = ReplicatedLinear(intermediate, hidden, False)
-
-    def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
-        gate = self.gate_proj(x, ops).clamp(max=self.limit)
-        up = self.up_proj(x, ops).clamp(-self.limit, self.limit)
-        return self.down_proj(ops.per_token(lambda g, u: F.silu(g) * u, gate, up), ops)
-
-
-class V4Router(nn.Module):
-    def __init__(self, args: DeepseekV4Args, hashed: bool) -> None:
-        super().__init__()
-        cfg = args.moe
-        self.hashed, self.top_k, self.scale = hashed, cfg.top_k, cfg.routed_scaling_factor
-        self.weight = nn.Parameter(
-            torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False
-        )
-        if hashed:  # token id -> its experts, fixed
-            self.tid2eid = nn.Parameter(
-                torch.zeros(args.vocab_size, cfg.top_k, dtype=torch.long), requires_grad=False
-            )
-            self.tid2eid.value_range = (0, cfg.num_experts)  # type: ignore[attr-defined]
-        else:
-            self.e_score_correction_bias = fp32_param(cfg.num_experts)
-
-    def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor, ops: OpSet
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.per_token(self._route, x, input_ids)
-
-    def _route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
-        if self.hashed:
-            ids = self.tid2eid[input_ids]
-        else:
-            biased = scores + self.e_score_correction_bias
-            ids = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids).float()
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
-
-
-class V4MoE(nn.Module):
-    def __init__(self, args: DeepseekV4Args, hashed: bool) -> None:
-        super().__init__()
-        cfg = args.moe
-        self.limit = args.swiglu_limit
-        self.gate = V4Router(args, hashed)
-        self.experts = FusedExperts(cfg, 0, 1)
-        self.shared_experts = ClampedSwiGLU(
-            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, self.limit
-        )
-
-    def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids, ctx.ops)
-        e = self.experts
-        routed = ctx.ops.fused_moe(
-            x, e.w13_weight, e.w2_weight, weights, ids, workspace=ctx.workspace,
-            swiglu_limit=self.limit,
-        )  # fmt: skip
-        return routed + self.shared_experts(x, ctx.ops)
-
-
 # ----------------------------------------------------------------------------- the model
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, args: DeepseekV4Args, layer_idx: int, rotaries: dict[str, V4Rotary]) -> None:
+    def __init__(
+        self, args: DeepseekV4Args, layer_idx: int, rotaries: dict[str, V4Rotary],
+        tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         layer_type = args.layer_types[layer_idx]
         rotary = rotaries["main" if layer_type == SLIDING else "compress"]
         ratio = args.compress_rates.get(layer_type, 0)
-        self.self_attn = V4Attention(args.attention, layer_idx, layer_type, ratio, rotary)
-        self.mlp = V4MoE(args, hashed=args.mlp_layer_types[layer_idx] == "hash_moe")
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
+        self.self_attn = V4Attention(args.attention, layer_idx, layer_type, ratio, rotary, **tp)
+        self.mlp = V4MoE(args, args.mlp_layer_types[layer_idx] == "hash_moe", **tp,
+                         expert_parallel=expert_parallel)  # fmt: skip
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn_hc = HyperConnection(args)
@@ -255,10 +189,15 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, args: DeepseekV4Args) -> None:
+    def __init__(
+        self, args: DeepseekV4Args, tp_rank: int = 0, tp_size: int = 1,
+        expert_parallel: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.hc_mult = args.hc_mult
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, 0, 1)
+        self.embed_tokens = VocabParallelEmbedding(
+            args.vocab_size, args.hidden_size, tp_rank, tp_size
+        )
         rope_dim, positions = args.attention.rope_dim, args.max_position_embeddings
         # Not in any checkpoint; two tables shared by the layers of each rope type.
         self.rotaries = nn.ModuleDict({
@@ -266,7 +205,7 @@ class DeepseekV4Model(nn.Module):
             "compress": V4Rotary(rope_dim, args.rope_compress, positions),
         })  # fmt: skip
         self.layers = nn.ModuleList(
-            DeepseekV4DecoderLayer(args, i, dict(self.rotaries))
+            DeepseekV4DecoderLayer(args, i, dict(self.rotaries), tp_rank, tp_size, expert_parallel)
             for i in range(args.num_hidden_layers)
         )
         self.hc_head = HyperHead(args)
@@ -336,15 +275,35 @@ class DeepseekV4ForCausalLM(CausalLM):
     batch_invariant_cpu_only = True
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
 
-    def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
+    # load_model(expert_parallel=True): whole routed experts split over the
+    # tensor-parallel ranks (models/moe.py's FusedExperts).
+    supports_expert_parallel = True
+
+    def __init__(
+        self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1, *,
+        expert_parallel: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
-        check_tp(tp_rank, tp_size)
         self.args = args = DeepseekV4Args(hf_config)
-        self.model = DeepseekV4Model(args)
+        # The routed experts an expert-parallel rank holds (None: all of them).
+        self.local_experts = (
+            expert_range(args.moe.num_experts, tp_rank, tp_size) if expert_parallel else None
+        )
+        self.model = DeepseekV4Model(args, tp_rank, tp_size, expert_parallel)
         self._add_lm_head(tp_rank, tp_size)
 
     def skips_checkpoint_name(self, ckpt_name: str) -> bool:
-        return ckpt_name.removeprefix("model.").startswith("mtp.")
+        """MTP weights (HF ignores them too), and on an expert-parallel rank
+        the other ranks' experts (never read)."""
+        if ckpt_name.removeprefix("model.").startswith("mtp."):
+            return True
+        if self.local_experts is None:
+            return False
+        param, shard_id = checkpoint_to_param(ckpt_name)
+        if not param.endswith(("mlp.experts.w13_weight", "mlp.experts.w2_weight")):
+            return False
+        expert = shard_id[0] if isinstance(shard_id, tuple) else shard_id
+        return expert < self.args.moe.num_experts and expert not in self.local_experts
 
     def route_checkpoint_name(self, ckpt_name: str) -> tuple[str, Any]:
         return checkpoint_to_param(ckpt_name)

@@ -15,26 +15,37 @@ a learned sink per head joins every softmax. The output projection is
 grouped: a block-diagonal o_a_proj over `o_groups` head groups, then o_b_proj.
 
 Owns the module structure (parameter names mirror Hugging Face's
-DeepseekV4Attention, so HF-named checkpoints load as they are) and what each
-layer keeps in its paged cache (`cache_tensors`). The arithmetic over pages
-is the op set's (kernels/compressor, indexer, sparse_attention). Modules HF
-keeps in fp32 (compressor and indexer projections and position biases, the
-sinks) are fp32 here too.
+DeepseekV4Attention, so HF-named checkpoints load as they are), how it
+shards across tensor-parallel ranks (V4Attention: query heads and output
+groups split, the KV head, compressor and indexer whole), and what each
+layer keeps in its paged cache (`cache_tensors`, the same on every rank).
+The arithmetic over pages is the op set's (kernels/compressor, indexer,
+sparse_attention). Modules HF keeps in fp32 (compressor and indexer
+projections and position biases, the sinks) are fp32 here too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from tinyengine.distributed.tp import shard
 from tinyengine.kernels.compressor.reference import rope_tail
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, PagedTensor
 from tinyengine.models.layers import RMSNorm
-from tinyengine.models.parallel_layers import ReplicatedLinear, default_weight_loader
+from tinyengine.models.parallel_layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+    mark_reads_part,
+    sliced_weight_loader,
+)
 from tinyengine.models.rotary import RopeCache, rope_frequencies
 
 SLIDING, CSA, HCA = (
@@ -173,28 +184,43 @@ class V4Indexer(V4Compressor):
 
 
 class V4Attention(nn.Module):
+    """Under tensor parallelism a rank keeps an equal share of the query
+    heads and of the output groups (the heads of its groups: group g holds
+    heads [g * H / G, (g + 1) * H / G)): its rows of q_b_proj and o_a_proj,
+    its heads' sinks, its groups' input columns of o_b_proj, whose partial
+    products are all-reduced. The one KV head, the compressor and the
+    indexer stay whole on every rank, so every rank pages the same cache."""
+
     def __init__(self, d: V4AttentionDims, layer_idx: int, layer_type: str, ratio: int,
-                 rotary: V4Rotary) -> None:  # fmt: skip
+                 rotary: V4Rotary, tp_rank: int = 0, tp_size: int = 1) -> None:  # fmt: skip
         super().__init__()
-        self.d, self.layer_idx, self.layer_type, self.ratio = d, layer_idx, layer_type, ratio
+        first_head, heads = shard(d.num_heads, tp_rank, tp_size, "num_attention_heads")
+        _, groups = shard(d.o_groups, tp_rank, tp_size, "o_groups")
+        # This rank's heads and groups: everything after the projections sees only them.
+        self.d = dataclasses.replace(d, num_heads=heads, o_groups=groups)
+        self.layer_idx, self.layer_type, self.ratio = layer_idx, layer_type, ratio
         self.rotary = rotary  # shared with the other layers of its rope type
-        h, hd = d.num_heads, d.head_dim
+        h, hd, tp = d.num_heads, d.head_dim, {"tp_rank": tp_rank, "tp_size": tp_size}
         self.q_a_proj = ReplicatedLinear(d.hidden_size, d.q_lora_rank, False)
         self.q_a_norm = RMSNorm(d.q_lora_rank, d.rms_norm_eps)
-        self.q_b_proj = ReplicatedLinear(d.q_lora_rank, h * hd, False)
+        self.q_b_proj = ColumnParallelLinear(d.q_lora_rank, h * hd, False, **tp)
         self.kv_proj = ReplicatedLinear(d.hidden_size, hd, False)
         self.kv_norm = RMSNorm(hd, d.rms_norm_eps)
-        # Block-diagonal: group g maps its heads' h * hd / G channels to o_lora_rank.
-        self.o_a_proj = ReplicatedLinear(h * hd // d.o_groups, d.o_groups * d.o_lora_rank, False)
-        self.o_b_proj = ReplicatedLinear(d.o_groups * d.o_lora_rank, d.hidden_size, False)
-        self.sinks = fp32_param(h)
+        # Block-diagonal: group g maps its heads' h * hd / G channels to
+        # o_lora_rank (output rows [g * o_lora_rank, (g + 1) * o_lora_rank)).
+        o_in = h * hd // d.o_groups
+        self.o_a_proj = ColumnParallelLinear(o_in, d.o_groups * d.o_lora_rank, False, **tp)
+        self.o_b_proj = RowParallelLinear(d.o_groups * d.o_lora_rank, d.hidden_size, False, **tp)
+        self.sinks = fp32_param(heads)
+        self.sinks.weight_loader = sliced_weight_loader(0, first_head, h)  # type: ignore[attr-defined]
+        mark_reads_part(self.sinks, tp_size > 1)
         self.compressor: V4Compressor | None = None
         if layer_type != SLIDING:
             self.compressor = V4Compressor(
                 d.hidden_size, hd, ratio, overlap=layer_type == CSA, eps=d.rms_norm_eps
             )
             if layer_type == CSA:
-                self.compressor.indexer = V4Indexer(d, ratio)
+                self.compressor.indexer = V4Indexer(d, ratio)  # d: the whole model's dims
 
     def tokens_kept(self) -> int:
         """How far back before the next token to compute this layer's

@@ -16,10 +16,11 @@ layer keeps its rank's input columns and all-reduces the partial products
 vocabulary (an all-reduce of the embedded rows, an all-gather of the
 logits). The collectives are distributed/tp.py's group. A rank's loader
 reads only its part of a safetensors tensor (a lazy slice, `reads_part`).
-The Llama family and DeepSeek-V2/V3 (models/mla.py splits heads,
-models/moe.py each expert's intermediate features) build sharded;
-DeepSeek-V4, whose own modules are not sharded yet, refuses tp_size > 1
-(check_tp).
+The Llama family, DeepSeek-V2/V3 (models/mla.py splits heads,
+models/moe.py each expert's intermediate features) and DeepSeek-V4
+(models/deepseek_v4_attention.py splits query heads and output groups,
+models/deepseek_v4_moe.py each expert's intermediate features) build
+sharded.
 """
 
 from __future__ import annotations
@@ -34,14 +35,6 @@ from torch import nn
 
 from tinyengine.distributed.tp import shard, tp_group
 from tinyengine.kernels.opset import OpSet
-
-
-def check_tp(tp_rank: int, tp_size: int) -> None:
-    if tp_size != 1 or tp_rank != 0:
-        raise NotImplementedError(
-            f"tensor parallelism is not implemented yet (got tp_rank={tp_rank}, "
-            f"tp_size={tp_size}); run with tp_size=1"
-        )
 
 
 def _new_param(*shape: int) -> nn.Parameter:
