@@ -201,3 +201,33 @@ def test_more_ranks_than_gpus_is_a_clear_error(tmp_path):
     ranks = torch.cuda.device_count() + 1
     with pytest.raises(ValueError, match=f"tensor_parallel_size={ranks} needs one GPU per rank"):
         LLM(path, tensor_parallel_size=ranks, max_model_len=96)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_lockstep_path_at_one_rank_matches_the_plain_engine(device, tmp_path):
+    """The multi-rank machinery with a single rank (a process group of one,
+    NCCL on a GPU): every stage through LockstepStages, CUDA graphs captured
+    on a GPU (their steps carry no collective), steps through WorkerGroup.
+    Tokens equal the plain engine's."""
+    from tinyengine.config import EngineConfig
+    from tinyengine.distributed.lockstep import LockstepStages
+    from tinyengine.distributed.workers import WorkerGroup
+    from tinyengine.engine import LLMEngine
+    from tinyengine.worker.stages import StartupStages
+    from tinyengine.worker.startup import StartupMachine
+
+    path = _build("llama", tmp_path / "llama")
+    options = {**ENGINE, "device": device}
+    want = _generate(LLM(path, **options))
+    config = EngineConfig.from_kwargs(path, **options)
+    machine = StartupMachine(LockstepStages(StartupStages.for_config(config), WorkerGroup(config)))
+    engine = LLMEngine(config, machine)
+    ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert [done[i] for i in ids] == want
+    assert engine.runner.peers is machine.stages.workers
+    if device == "cuda":
+        assert machine.report.captured_sizes  # graphs replayed by the steps above
+    engine.shutdown()
