@@ -231,3 +231,29 @@ def test_the_lockstep_path_at_one_rank_matches_the_plain_engine(device, tmp_path
     if device == "cuda":
         assert machine.report.captured_sizes  # graphs replayed by the steps above
     engine.shutdown()
+
+
+def test_logprobs_and_prompt_logprobs_with_two_ranks(tmp_path):
+    """Prompt logprobs take logits on every rank (the LM head's all-gather is
+    a collective), sampled logprobs come from rank 0's sampler: both match
+    one process (to rounding: the all-reduce sums in another order)."""
+    path = _build("qwen3", tmp_path / "qwen3")
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+
+    def run(llm: LLM) -> list:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.shutdown()
+        return outs
+
+    want = run(LLM(path, **ENGINE))
+    got = run(LLM(path, tensor_parallel_size=2, **ENGINE))
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        pairs = list(zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True))
+        pairs += list(zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True))
+        assert len(pairs) > len(PROMPTS[0])
+        for g_entry, w_entry in pairs:
+            assert g_entry.keys() == w_entry.keys()
+            for token, lp in w_entry.items():
+                assert g_entry[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
