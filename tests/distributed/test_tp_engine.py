@@ -90,6 +90,12 @@ def test_four_ranks_and_a_shutdown(tmp_path):
     llm = LLM(path, tensor_parallel_size=4, **ENGINE)
     procs = _workers(llm)
     assert len(procs) == 3
+    report = llm.startup_report()  # every rank ran every stage method; all planned 14 blocks
+    methods = ["load", "profile", "plan_kv", "allocate_kv", "warmup", "capture", "lock"]
+    for rank in range(4):
+        assert [r["name"] for r in report.ranks if r["rank"] == rank] == methods
+    assert [r["value"] for r in report.ranks if r["name"] == "plan_kv"] == [14] * 4
+    assert "rank 3: load" in report.table()
     assert _generate(llm) == want
     llm.shutdown()
     assert all(p.poll() is not None for p in procs)

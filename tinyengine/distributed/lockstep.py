@@ -21,7 +21,8 @@ the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tinyengine.distributed.workers import EngineDeadError, RankFailedError
@@ -39,12 +40,31 @@ class RankProfiles:
         return max(p.peak_bytes for p in self.per_rank)
 
 
-def run_stage(stages: StartupStages, rank: int, name: str, args: tuple) -> Any:
-    """Run one stage's method on this rank; its result."""
+@dataclass
+class RankStage:
+    """One stage method as one rank ran it, for the startup report."""
+
+    rank: int
+    name: str
+    seconds: float
+    memory_after: int
+    workspace_bytes: int
+    value: Any = None  # the method's result if a number or sizes (plan_kv's, capture's)
+
+
+def run_stage(stages: StartupStages, rank: int, name: str, args: tuple) -> tuple[Any, RankStage]:
+    """Run one stage's method on this rank; its result and its record."""
     stages.set_stage(name)
+    start = time.perf_counter()
     if name == "plan_kv":  # this rank's own profile
-        return stages.plan_kv(args[0].per_rank[rank])
-    return getattr(stages, name)(*args)
+        value = stages.plan_kv(args[0].per_rank[rank])
+    else:
+        value = getattr(stages, name)(*args)
+    seconds = time.perf_counter() - start
+    memory, workspace = stages.memory_in_use(), stages.workspace_bytes()
+    shown = value if isinstance(value, (int, list)) else None
+    record = RankStage(rank, name, seconds, memory, workspace, shown)
+    return value, record
 
 
 class LockstepStages:
@@ -54,6 +74,7 @@ class LockstepStages:
     def __init__(self, local: StartupStages, workers: Any) -> None:
         self.local = local
         self.workers = workers  # distributed/workers.py's WorkerGroup
+        self.records: list[RankStage] = []  # every rank's, in the order they ran
 
     @property
     def runner(self) -> Any:
@@ -95,6 +116,10 @@ class LockstepStages:
     def shutdown(self) -> None:
         self.workers.shutdown()
 
+    def rank_records(self) -> list[dict[str, Any]]:
+        """Every rank's stage records (StartupReport.ranks)."""
+        return [asdict(r) for r in self.records]
+
     # --- the probes (rank 0's; the report is rank 0's) ---
 
     def set_stage(self, name: str) -> None:
@@ -114,8 +139,7 @@ class LockstepStages:
         workers = self.workers
         try:
             workers.send(("stage", name, args))
-            value = run_stage(self.local, 0, name, args)
-            return workers.exchange(value)
+            results = workers.exchange(run_stage(self.local, 0, name, args))
         except Exception as exc:
             # A worker that failed has exited (and broken our collectives); if
             # none did, the failure is rank 0's own and the workers, maybe
@@ -125,3 +149,5 @@ class LockstepStages:
             if isinstance(exc, EngineDeadError) or failed:
                 raise RankFailedError("; ".join(failed) or str(exc)) from exc
             raise RankFailedError(f"rank 0: {type(exc).__name__}: {exc}") from exc
+        self.records += [record for _, record in results]
+        return [value for value, _ in results]

@@ -67,8 +67,8 @@ def serve(rank: int, size: int, port: int, config_path: str, ready: Path) -> Non
             break
         if kind == "stage":
             _, name, args = command
-            value = run_stage(stages, rank, name, args)
-            dist.all_gather_object([None] * size, value, group=meta)
+            result = run_stage(stages, rank, name, args)
+            dist.all_gather_object([None] * size, result, group=meta)
         elif kind == "step":
             inputs = command[1]
             logits, _ = runner.forward_step(inputs)

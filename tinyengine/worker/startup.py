@@ -125,6 +125,9 @@ class StartupReport:
     workspace_bytes_at_kv_sizing: int = 0
     workspace_growth_after_kv_sizing: int = 0  # bytes; 0 when profile reached the worst case
     error: str | None = None
+    # With several tensor-parallel ranks: every rank's record of each stage
+    # method it ran (distributed/lockstep.py's RankStage, as dicts).
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +150,14 @@ class StartupReport:
             f"captured={self.captured_sizes or 'none'} "
             f"workspace_growth_after_kv_sizing={self.workspace_growth_after_kv_sizing}B"
         )
+        by_rank: dict[int, list[str]] = {}
+        for r in self.ranks:
+            value = f"={r['value']}" if r["value"] is not None else ""
+            by_rank.setdefault(r["rank"], []).append(f"{r['name']}{value} {r['seconds']:.3f}s")
+        for rank, stages in by_rank.items():
+            last = [r for r in self.ranks if r["rank"] == rank][-1]
+            lines.append(f"rank {rank}: " + ", ".join(stages)
+                         + f"; memory {last['memory_after'] / mib:.1f}MiB")  # fmt: skip
         if self.error:
             lines.append(f"error: {self.error}")
         return "\n".join(lines)
@@ -263,6 +274,9 @@ class StartupMachine:
             self.report.error = f"{name}: {type(exc).__name__}: {exc}"
             raise
         self.running = None
+        rank_records = getattr(stages, "rank_records", None)  # several ranks only
+        if rank_records is not None:
+            self.report.ranks = rank_records()
         skipped = name == "capture" and result is None
         self.report.stages.append(
             StageRecord(
