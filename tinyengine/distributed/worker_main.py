@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from tinyengine.distributed.lockstep import run_stage
 from tinyengine.distributed.workers import init_groups
+from tinyengine.worker.stages import StartupStages
 
 
 def _watch_parent(parent: int) -> None:
@@ -46,8 +47,6 @@ def _watch_parent(parent: int) -> None:
 
 
 def serve(rank: int, size: int, port: int, config_path: str, ready: Path) -> None:
-    from tinyengine.worker.stages import StartupStages
-
     config = pickle.loads(Path(config_path).read_bytes())
     device = config.resolved_device()
     if device == "cuda":
