@@ -84,7 +84,7 @@ class EngineConfig:
     # bf16/fp16; elsewhere "auto" picks the torch op set, eager steps
     # (check_batch_invariant).
     batch_invariant: bool = False
-    # Ranks the model is split over (tensor parallelism, distributed/): this
+    # Ranks the model is split over (tensor parallelism, docs/parallelism.md): this
     # process is rank 0 (scheduler, tokenizer, sampling) and starts one
     # worker process per other rank, each on its own GPU (or CPU process).
     tensor_parallel_size: int = 1

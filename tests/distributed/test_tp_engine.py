@@ -25,8 +25,8 @@ import pytest
 from tests.distributed.test_tensor_parallel import _build
 from tests.hf_deepseek_v4 import make_tiny_v4
 from tinyengine import LLM, SamplingParams
-from tinyengine.distributed.lockstep import RankFailedError
-from tinyengine.distributed.workers import EngineDeadError
+from tinyengine.worker.lockstep import RankFailedError
+from tinyengine.worker.worker_group import EngineDeadError
 
 # Chunks of 24 tokens, 4 sequences, a cache of 14 blocks of 8 tokens: six
 # prompts of 34-57 tokens sharing a 24-token prefix, 12 new tokens each.
@@ -125,7 +125,7 @@ def test_a_killed_worker_is_a_clear_error_and_leaves_no_process(tmp_path):
 
 FAIL_ON_RANK_1 = """
 import sys
-if sys.argv[:2] == ["-m", "1"]:  # the worker of rank 1 (tinyengine/distributed/worker_main.py)
+if sys.argv[:2] == ["-m", "1"]:  # the worker of rank 1 (tinyengine/worker/worker_main.py)
     from tinyengine.worker.stages import StartupStages
 
     def warmup(self, num_kv_blocks):
@@ -155,7 +155,7 @@ def test_a_stage_failing_on_one_rank_fails_startup_everywhere(tmp_path, monkeypa
     assert [s.name for s in machine.report.stages] == ["load", "profile", "size_kv"]
     procs = machine.stages.workers._processes.procs
     assert all(p.poll() is not None for p in procs)
-    assert not [line for line in _ps() if "tinyengine.distributed.worker_main" in line]
+    assert not [line for line in _ps() if "tinyengine.worker.worker_main" in line]
     # The process group is gone: a new engine can start in this process.
     monkeypatch.delenv("PYTHONPATH")
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
@@ -192,7 +192,7 @@ def test_a_stage_failing_on_rank_0_ends_the_workers_waiting_for_it(tmp_path, mon
         LLM(path, tensor_parallel_size=2, **ENGINE)
     gc.collect()
     assert time.monotonic() - start < 60
-    assert not [line for line in _ps() if "tinyengine.distributed.worker_main" in line]
+    assert not [line for line in _ps() if "tinyengine.worker.worker_main" in line]
 
 
 def _ps() -> list[str]:
@@ -216,11 +216,11 @@ def test_the_lockstep_path_at_one_rank_matches_the_plain_engine(device, tmp_path
     on a GPU (their steps carry no collective), steps through WorkerGroup.
     Tokens equal the plain engine's."""
     from tinyengine.config import EngineConfig
-    from tinyengine.distributed.lockstep import LockstepStages
-    from tinyengine.distributed.workers import WorkerGroup
     from tinyengine.engine import LLMEngine
+    from tinyengine.worker.lockstep import LockstepStages
     from tinyengine.worker.stages import StartupStages
     from tinyengine.worker.startup import StartupMachine
+    from tinyengine.worker.worker_group import WorkerGroup
 
     path = _build("llama", tmp_path / "llama")
     options = {**ENGINE, "device": device}

@@ -92,7 +92,7 @@ class ModelRunner:
         # device) by request, and this step's rows that read one of them.
         self._last_sampled: torch.Tensor | None = None
         self._last_row_of: dict[str, int] = {}
-        # The other tensor-parallel ranks (distributed/workers.py's
+        # The other tensor-parallel ranks (worker/worker_group.py's
         # WorkerGroup) once startup is READY; None with one rank, and on
         # every rank while the startup stages run (each runs them itself).
         self.peers: Any = None

@@ -126,7 +126,7 @@ class StartupReport:
     workspace_growth_after_kv_sizing: int = 0  # bytes; 0 when profile reached the worst case
     error: str | None = None
     # With several tensor-parallel ranks: every rank's record of each stage
-    # method it ran (distributed/lockstep.py's RankStage, as dicts).
+    # method it ran (worker/lockstep.py's RankStage, as dicts).
     ranks: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -177,11 +177,11 @@ class StartupMachine:
         """A machine at CREATED over the real stages for `config` (resolved in
         place for its model and device; nothing is loaded yet). With
         tensor_parallel_size > 1 every stage runs on every rank in lockstep
-        (distributed/lockstep.py); the worker processes start in `load`."""
+        (worker/lockstep.py); the worker processes start in `load`."""
         stages = StartupStages.for_config(config)
         if config.tensor_parallel_size > 1:
-            from tinyengine.distributed.lockstep import LockstepStages
-            from tinyengine.distributed.workers import WorkerGroup
+            from tinyengine.worker.lockstep import LockstepStages
+            from tinyengine.worker.worker_group import WorkerGroup
 
             return cls(LockstepStages(stages, WorkerGroup(config)))
         return cls(stages)

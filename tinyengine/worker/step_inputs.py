@@ -4,7 +4,7 @@ there are several tensor-parallel ranks, which receive it as is).
 
 Owns that data's shape and the prompt-logprob work list. Nothing here holds
 a tensor or a Request: the object is pickled to the other ranks
-(distributed/workers.py), which hold no scheduler state at all.
+(worker/worker_group.py), which hold no scheduler state at all.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """WorkerGroup: rank 0's handle on the other tensor-parallel ranks.
 
 Owns the worker processes (one per rank 1..N-1, each `python -m
-tinyengine.distributed.worker_main`), the process groups, the messages rank
+tinyengine.worker.worker_main`), the process groups, the messages rank
 0 sends them, and their end. Two groups, as vLLM and mini-sglang have them:
 
 - the *device group* (NCCL between GPUs, gloo between CPU processes) carries
@@ -159,7 +159,7 @@ class WorkerGroup:
             error_file = Path(p.dir.name) / f"rank{rank}.err"
             p.error_files.append(error_file)
             p.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tinyengine.distributed.worker_main", str(rank),
+                [sys.executable, "-m", "tinyengine.worker.worker_main", str(rank),
                  str(self.size), str(port), str(config_path), str(error_file), str(os.getpid())],
                 env=env,
             ))  # fmt: skip

@@ -1,12 +1,12 @@
 """A tensor-parallel worker process (ranks 1..N-1):
-`python -m tinyengine.distributed.worker_main RANK SIZE PORT CONFIG ERRFILE PARENT`.
+`python -m tinyengine.worker.worker_main RANK SIZE PORT CONFIG ERRFILE PARENT`.
 
-Owns the worker's side of distributed/workers.py's protocol. The worker
+Owns the worker's side of worker/worker_group.py's protocol. The worker
 joins the process groups, builds its own StartupStages for the pickled
 EngineConfig (its model shard: tp_group() says which), then obeys rank 0's
 commands until told to stop:
 
-  ("stage", name, args)  run a startup stage (distributed/lockstep.py's
+  ("stage", name, args)  run a startup stage (worker/lockstep.py's
                           run_stage) and exchange the results
   ("step", StepInputs)    run the step's forward (ModelRunner.forward_step)
                           and, with asynchronous scheduling, receive the ids
@@ -17,7 +17,7 @@ It holds no scheduler, tokenizer or request: a step is plain data. An error
 while serving is fatal (rank 0 cannot know how far this rank got): its text
 goes to ERRFILE for rank 0's message, and the process exits: that breaks
 any collective the other ranks wait in, and so does an error in a startup
-stage (distributed/lockstep.py says why). A watchdog
+stage (worker/lockstep.py says why). A watchdog
 ends the process if rank 0 (PARENT) goes away.
 """
 
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tinyengine.distributed.lockstep import run_stage
-from tinyengine.distributed.workers import init_groups
+from tinyengine.worker.lockstep import run_stage
 from tinyengine.worker.stages import StartupStages
+from tinyengine.worker.worker_group import init_groups
 
 
 def _watch_parent(parent: int) -> None:

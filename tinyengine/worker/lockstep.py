@@ -14,7 +14,7 @@ rank's error in the message (and so in the startup report), and no rank is
 left hanging. A failure can strike in the middle of a stage's collectives
 (warmup's forwards all-reduce), where the other ranks wait for a peer that
 will never come; so a failing worker does not report back, it exits
-(distributed/worker_main.py), which breaks every collective it was part of
+(worker/worker_main.py), which breaks every collective it was part of
 on the other ranks, and rank 0, failing itself or seeing a worker go, kills
 the rest.
 """
@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tinyengine.distributed.workers import EngineDeadError, RankFailedError
 from tinyengine.worker.stages import ProfileResult, StartupStages
+from tinyengine.worker.worker_group import EngineDeadError, RankFailedError
 
 
 @dataclass
@@ -73,7 +73,7 @@ class LockstepStages:
 
     def __init__(self, local: StartupStages, workers: Any) -> None:
         self.local = local
-        self.workers = workers  # distributed/workers.py's WorkerGroup
+        self.workers = workers  # worker/worker_group.py's WorkerGroup
         self.records: list[RankStage] = []  # every rank's, in the order they ran
 
     @property
