@@ -82,11 +82,7 @@ class LLMEngine:
         self.tokenizer, self.eos_token_ids = load_engine_tokenizer(config, self.hf_config)
 
         if not startup.ready:
-            try:
-                startup.run_all()
-            except BaseException:
-                startup.stages.shutdown()  # worker processes, if any, end with it
-                raise
+            startup.run_all()
         if config.print_startup_report:
             print(startup.report.table(), file=sys.stderr)
         self.startup = startup

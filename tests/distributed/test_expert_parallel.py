@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed.checkpoint_reads import record_reads
 from tests.distributed.test_tensor_parallel import _build, _free_port, _steps
 from tests.hf_deepseek_v4 import make_tiny_v4
 from tinyengine.distributed.tp import init_tp
@@ -90,40 +91,16 @@ def test_a_rank_reads_only_its_own_experts(name, tmp_path, monkeypatch):
     """Rank 1 of 2 (no process group needed to load) opens the second half
     of the experts and never touches the first, whole or sliced; its stacked
     weights are exactly those experts of the one-process model."""
-    import tinyengine.models.loader as loader
-
     folder = tmp_path / name
     path = str(make_tiny_v4(folder)) if name == "deepseek-v4" else _build(name, folder)
     hf_config = load_hf_config(path)
     whole = dict(load_model(path, hf_config, torch.float32, "cpu").named_parameters())
-    real_open, touched = loader.safe_open, []
+    reads = record_reads(monkeypatch)
 
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.handle = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner = self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, name):
-            touched.append(name)
-            return self.inner.get_slice(name)
-
-        def get_tensor(self, name):
-            touched.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(loader, "safe_open", Recording)
     rank1 = dict(load_model(path, hf_config, torch.float32, "cpu", tp_rank=1, tp_size=2,
                             expert_parallel=True).named_parameters())  # fmt: skip
-    experts_read = {int(m.group(1)) for n in touched if (m := re.search(r"experts\.(\d+)\.", n))}
+    expert_of = (re.search(r"experts\.(\d+)\.", n) for n in reads.touched)
+    experts_read = {int(m.group(1)) for m in expert_of if m}
     num_experts = hf_config["n_routed_experts"]
     assert experts_read == set(range(num_experts // 2, num_experts))
     stacked = [n for n in whole if n.endswith(("experts.w13_weight", "experts.w2_weight"))]

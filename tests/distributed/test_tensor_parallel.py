@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed.checkpoint_reads import record_reads
 from tests.hf_deepseek import make_tiny_deepseek
 from tests.hf_models import make_tiny_hf_model
 from tinyengine.distributed.tp import init_tp, shard
@@ -177,41 +178,17 @@ def test_a_rank_reads_only_its_slices(name, tmp_path, monkeypatch):
     """Building rank 1 of 2 needs no process group: its loaders take lazy
     safetensors slices of every sharded tensor (never the whole tensor) and
     keep exactly their part of what one process loads."""
-    import tinyengine.models.loader as loader
-
     path = _build(name, tmp_path / name)
     hf_config = load_hf_config(path)
     whole = dict(load_model(path, hf_config, torch.float32, "cpu").named_parameters())
-    real_open, read_whole = loader.safe_open, []
+    reads = record_reads(monkeypatch)
 
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.handle = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner = self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, name):
-            return self.inner.get_slice(name)
-
-        def get_tensor(self, name):
-            read_whole.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(loader, "safe_open", Recording)
     rank1 = dict(load_model(path, hf_config, torch.float32, "cpu", tp_rank=1,
                             tp_size=2).named_parameters())  # fmt: skip
     # Replicated on every rank: norms, the router, MLA's low-rank down-projections.
     replicated = ("norm", "mlp.gate.", "q_a_proj", "kv_a_proj", "e_score_correction_bias")
-    sharded = [n for n in read_whole if not any(r in n for r in replicated)]
-    assert read_whole and not sharded, sharded
+    sharded = [n for n in reads.whole if not any(r in n for r in replicated)]
+    assert reads.whole and not sharded, sharded
     o_proj = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: rank 1's columns
     half = whole[o_proj].shape[1] // 2
     torch.testing.assert_close(rank1[o_proj], whole[o_proj][:, half:])

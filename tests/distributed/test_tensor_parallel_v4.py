@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed.checkpoint_reads import record_reads
 from tests.distributed.test_tensor_parallel import _free_port
 from tests.hf_deepseek_v4 import make_tiny_v4
 from tests.models.forward_harness import PagedHarness
@@ -115,39 +116,14 @@ def test_a_rank_reads_only_its_slices(tiny, monkeypatch):
     """Building rank 1 of 2 needs no process group: it reads every sharded
     tensor as a lazy safetensors slice, every replicated one whole, and keeps
     exactly its part of what one process loads."""
-    import tinyengine.models.loader as loader
-
     whole = dict(_load(tiny).named_parameters())
-    real_open, read_whole, read_sliced = loader.safe_open, [], []
+    reads = record_reads(monkeypatch)
 
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.handle = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner = self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, name):
-            read_sliced.append(name)
-            return self.inner.get_slice(name)
-
-        def get_tensor(self, name):
-            read_whole.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(loader, "safe_open", Recording)
     rank1 = dict(_load(tiny, tp_rank=1, tp_size=SIZE).named_parameters())
-    assert read_whole and read_sliced
-    assert not [n for n in read_whole if SHARDED.search(n)]
-    assert not [n for n in read_sliced if not SHARDED.search(n)]
-    assert any("indexer.wq_b" in n for n in read_whole)  # the replicated indexer
+    assert reads.whole and reads.sliced
+    assert not [n for n in reads.whole if SHARDED.search(n)]
+    assert not [n for n in reads.sliced if not SHARDED.search(n)]
+    assert any("indexer.wq_b" in n for n in reads.whole)  # the replicated indexer
 
     def second_half(name: str, dim: int) -> torch.Tensor:
         full = whole[name]

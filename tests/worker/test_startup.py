@@ -43,6 +43,7 @@ class FakeStages:
         self._ws_bytes = 0
         self._ws_growths = 0
         self._memory = 1000
+        self.ended = False  # shutdown() was called
 
     # --- the probes the machine reads around each stage ---
     def workspace_bytes(self) -> int:
@@ -56,6 +57,9 @@ class FakeStages:
 
     def set_stage(self, name: str) -> None:
         self.stages_set.append(name)
+
+    def shutdown(self) -> None:
+        self.ended = True
 
     # --- the stages ---
     def _do(self, name: str) -> None:
@@ -181,6 +185,7 @@ def test_failing_stage_lands_in_failed_with_its_error(failing):
     assert "RuntimeError" in report.error and f"boom in {failing}" in report.error
     assert [s.name for s in report.stages] == ORDER[:k]  # the failed one is not a success
     assert "error:" in report.table() and f"boom in {failing}" in report.table()
+    assert target.ended  # what the stages started (worker processes) is ended
 
     # Every later call, the failed stage included, is refused without running.
     calls = list(target.calls)

@@ -163,8 +163,8 @@ class ModelRunner:
             q_lens = [s.num_new_tokens for s in scheduled]
             query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
             seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
-            inputs = self._eager_inputs(input_ids, positions, slots, query_start_loc, seq_lens,
-                                        table)  # fmt: skip
+            inputs = StepInputs(None, input_ids, positions, slots, seq_lens, query_start_loc,
+                                self._tables(*table))  # fmt: skip
             logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]  # each one's last
         inputs.inflight, inputs.logits_rows = inflight, logits_rows
         if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
@@ -175,11 +175,6 @@ class ModelRunner:
         input_ids, positions, slots, seq_lens, (table_rows, width) = rows
         return StepInputs(size, input_ids, positions, slots, seq_lens, None,
                           self._tables(table_rows, width, size))  # fmt: skip
-
-    def _eager_inputs(self, input_ids, positions, slots, query_start_loc, seq_lens, table):
-        """`table`: (rows, width) as _tables takes them."""
-        return StepInputs(None, input_ids, positions, slots, seq_lens, query_start_loc,
-                          self._tables(*table))  # fmt: skip
 
     def _tables(self, table_rows: np.ndarray, width: int, pad_to: int = 0) -> list[np.ndarray]:
         """The scheduled rows' block tables (padded with rows that read only
@@ -234,14 +229,15 @@ class ModelRunner:
         starts = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
         num_tokens = starts[-1]
         width = -(-max(seq_lens) // self.block_size)
-        ctx = self.write_inputs(self._eager_inputs(
+        ctx = self.write_inputs(StepInputs(
+            None,
             [(7919 * t + 13) % self.vocab_size for t in range(num_tokens)],
             [s - q + j for q, s in zip(q_lens, seq_lens, strict=True) for j in range(q)],
             [self.dummy_block * self.block_size] * num_tokens,
-            starts,
             seq_lens,
+            starts,
             # Padding rows only: every position of every row reads a dummy block.
-            (np.empty(0, dtype=np.int64), width, len(seq_lens)),
+            self._tables(np.empty(0, dtype=np.int64), width, len(seq_lens)),
         ))  # fmt: skip
         b = self.buffers
         return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)

@@ -272,6 +272,7 @@ class StartupMachine:
             self.error = exc
             self.report.state = Stage.FAILED.value
             self.report.error = f"{name}: {type(exc).__name__}: {exc}"
+            stages.shutdown()  # a FAILED machine goes no further: end what the stages started
             raise
         self.running = None
         rank_records = getattr(stages, "rank_records", None)  # several ranks only

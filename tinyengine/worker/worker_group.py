@@ -175,7 +175,8 @@ class WorkerGroup:
         """Wait for every worker to reach the process-group rendezvous (it
         writes a .ready file beside its error file first): a worker that
         dies on the way (an import error, a bad config) is an error now,
-        not a rendezvous that waits out its timeout."""
+        not a rendezvous that waits out its timeout. The failed load stage
+        ends the others (StartupMachine calls shutdown)."""
         p = self._processes
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         waiting = set(range(1, self.size))
@@ -184,10 +185,8 @@ class WorkerGroup:
                 if p.error_files[rank - 1].with_suffix(".ready").exists():
                     waiting.discard(rank)
                 elif p.procs[rank - 1].poll() is not None:
-                    self.shutdown(kill=True)
                     raise RankFailedError(f"rank {rank} could not start: {p.describe_exit(rank)}")
             if waiting and time.monotonic() > deadline:
-                self.shutdown(kill=True)
                 raise RankFailedError(f"ranks {sorted(waiting)} did not start within "
                                       f"{STARTUP_TIMEOUT_S:.0f} s")  # fmt: skip
             time.sleep(0.02)
@@ -240,14 +239,14 @@ class WorkerGroup:
 
     def dead_error(self, cause: BaseException) -> EngineDeadError:
         """The error for a step that raised midway: the workers have gone or
-        are out of step, so the engine cannot go on. Waits briefly for the
-        monitor to name a worker that exited (its socket closes first)."""
-        deadline = time.monotonic() + 3.0
-        while self._processes.failure is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        are out of step, so the engine cannot go on. Names the workers that
+        exited, if any (exit_errors waits briefly: a socket closes first)."""
         p = self._processes
         if p.failure is None:
-            p.failure = f"a step failed midway on rank 0, leaving the ranks out of step: {cause!r}"
+            failed = self.exit_errors()
+            p.failure = "; ".join(failed) or (
+                f"a step failed midway on rank 0, leaving the ranks out of step: {cause!r}"
+            )
         self.shutdown(kill=True)
         return EngineDeadError(p.failure)
 
