@@ -17,6 +17,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _BACKENDS = ("auto", "torch", "triton")
 _GRAPH_BACKENDS = ("auto", "cuda", "recording", "none")
+_CUDAGRAPH_MODES = ("full_decode_only", "full_and_piecewise")
 
 
 _VLLM_FIXED = {"pipeline_parallel_size": 1}
@@ -67,6 +68,15 @@ class EngineConfig:
     # "recording": a CPU stand-in that checks captured workspace addresses at
     # every replay (tests use it to exercise capture/replay without a GPU).
     graph_backend: str = "auto"
+    # Which steps replay graphs (vLLM's cudagraph_mode names):
+    # "full_decode_only": decode batches replay whole-step graphs, every
+    # other step runs eagerly. "full_and_piecewise": prefill and mixed steps
+    # of up to piecewise_graph_sizes' largest token count also replay
+    # graphs of everything between attention calls (docs/startup.md).
+    cudagraph_mode: str = "full_decode_only"
+    # Token counts piecewise graphs are captured for; None: 8, 16, 32, 48,
+    # ... 512 (each at most 1.5x the last), up to max_num_batched_tokens.
+    piecewise_graph_sizes: list[int] | None = None
     # Print the startup state machine's report (a small table) when READY.
     print_startup_report: bool = True
     # Time each step's phases (schedule, prepare, forward on the GPU, sample,
@@ -157,6 +167,15 @@ class EngineConfig:
             raise bad("cpu_kv_cache_gib", "must be > 0")
         if self.graph_backend not in _GRAPH_BACKENDS:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
+        if self.cudagraph_mode not in _CUDAGRAPH_MODES:
+            raise bad("cudagraph_mode", f"must be one of {_CUDAGRAPH_MODES}")
+        sizes = self.piecewise_graph_sizes
+        if sizes is not None and (
+            not isinstance(sizes, list | tuple)
+            or not sizes
+            or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes)
+        ):
+            raise bad("piecewise_graph_sizes", "must be a non-empty list of positive ints or None")
         for name in ("enable_prefix_caching", "enforce_eager", "print_startup_report",
                      "profile_steps", "async_scheduling",
                      "allow_long_max_model_len", "batch_invariant",

@@ -398,6 +398,7 @@ class LLMEngine:
             "workspace_bytes": self.runner.workspace.size,
             "workspace_growths": self.runner.workspace.stats.num_growths,
             "captured_graph_sizes": self.startup.report.captured_sizes,
+            "piecewise_graph_sizes": self.startup.report.piecewise_sizes,
             "batch_invariant": self.config.batch_invariant,
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }

@@ -37,6 +37,9 @@ ENGINE = dict(
 PREFIX = [11, 23, 5, 87, 140, 3, 66, 9, 250, 31, 7, 18, 44, 2, 91, 120, 8, 77, 6, 39, 15, 4, 20, 13]
 PROMPTS = [PREFIX + [(17 * i + 3 * j) % 300 + 1 for j in range(10 + 5 * i)] for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# Piecewise graphs on every rank (the recording backend: the CPU stand-in).
+PIECEWISE = {"graph_backend": "recording", "cudagraph_mode": "full_and_piecewise",
+             "cuda_graph_sizes": [1, 2]}  # fmt: skip
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -58,9 +61,10 @@ def _workers(llm: LLM) -> list[subprocess.Popen]:
         ("deepseek-v3", {"enable_expert_parallel": True}),
         ("deepseek-v2-lite", {"enable_expert_parallel": True}),
         ("deepseek-v4", {"enable_expert_parallel": True}),
+        ("llama", PIECEWISE),
     ],
     ids=["llama", "qwen3", "deepseek-v3", "deepseek-v4", "deepseek-v3-ep", "deepseek-v2-lite-ep",
-         "deepseek-v4-ep"],  # fmt: skip
+         "deepseek-v4-ep", "llama-piecewise"],  # fmt: skip
 )
 def test_two_ranks_generate_the_one_process_tokens(name, options, tmp_path):
     folder = tmp_path / name
@@ -79,6 +83,9 @@ def test_two_ranks_generate_the_one_process_tokens(name, options, tmp_path):
     assert got["num_preemptions"] == stats["num_preemptions"]
     assert got["prefix_cache_hit_tokens"] == stats["prefix_cache_hit_tokens"]
     assert got["num_free_blocks"] == got["num_total_blocks"]
+    if options is PIECEWISE:  # every rank replayed its chain; rank 0's are counted
+        assert llm.startup_report().piecewise_sizes == got["piecewise_graph_sizes"] != []
+        assert llm.engine.runner.piecewise.backend.num_replays > 0
     del llm
     gc.collect()
     assert procs[0].wait(timeout=15) is not None  # `del llm` ends the worker

@@ -90,7 +90,7 @@ def _assert_clean(llm: LLM, failed: bool = False) -> None:
     assert engine._inflight is None and not engine.states
     runner = engine.runner
     if failed:
-        assert runner._last_sampled is None and not runner._last_row_of
+        assert runner.inflight.sampled is None and not runner.inflight.row_of
     assert not runner.block_table._slot_of
     assert not runner.request_sampling.generators and not runner.request_sampling.histories
     engine.scheduler.block_manager.check_invariants([])

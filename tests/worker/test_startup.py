@@ -37,6 +37,7 @@ class FakeStages:
     def __init__(self, fail: str | None = None, capture_sizes: list[int] | None = None):
         self.fail = fail
         self.capture_sizes = capture_sizes
+        self.piecewise_sizes = [512, 8]
         self.calls: list[str] = []
         self.stages_set: list[str] = []
         self.capture_skip_reason = "fake: no graphs"
@@ -86,9 +87,11 @@ class FakeStages:
         self._do("warmup")
         assert num_kv_blocks == 77  # ...and size_kv's
 
-    def capture(self) -> list[int] | None:
+    def capture(self) -> dict[str, list[int]] | None:
         self._do("capture")
-        return self.capture_sizes
+        if self.capture_sizes is None:
+            return None
+        return {"full": self.capture_sizes, "piecewise": self.piecewise_sizes}
 
     def lock(self) -> None:
         self._do("lock")
@@ -229,9 +232,10 @@ def test_report_lists_stages_in_order_with_non_negative_figures():
     assert report.profiled_peak_bytes == 12345
     assert report.num_kv_blocks == 77
     assert report.captured_sizes == [8, 4, 2, 1]
+    assert report.piecewise_sizes == [512, 8]
     assert report.workspace_bytes_at_kv_sizing == 2 * MIB
     assert report.workspace_growth_after_kv_sizing == 0
-    assert by_name["capture"].note == "4 graphs"
+    assert by_name["capture"].note == "4 full, 2 piecewise"
     d = report.as_dict()
     assert d["state"] == "ready" and [s["name"] for s in d["stages"]] == ORDER
     table = report.table()
@@ -292,7 +296,8 @@ def test_each_stage_logs_its_start_and_end_in_order(caplog, capture_sizes):
     if capture_sizes is None:
         assert "graphs skipped: fake: no graphs" in done["capture"]
     else:
-        assert "captured 3 graphs, sizes [4, 2, 1]" in done["capture"]
+        decided = "captured 3 decode graphs, sizes [4, 2, 1]; piecewise token counts [512, 8]"
+        assert decided in done["capture"]
     assert "workspace locked at 2.0 MiB" in done["lock"] and "READY after" in done["lock"]
 
 

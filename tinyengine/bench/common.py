@@ -80,7 +80,8 @@ def mean(values: Sequence[float]) -> float:
 _ENGINE_FLAGS = (
     "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "num_kv_blocks", "block_size", "gpu_memory_utilization", "attention_backend",
-    "cuda_graph_sizes", "graph_backend", "enforce_eager", "enable_prefix_caching", "seed",
+    "cuda_graph_sizes", "graph_backend", "cudagraph_mode", "piecewise_graph_sizes",
+    "enforce_eager", "enable_prefix_caching", "seed",
     "batch_invariant", "tensor_parallel_size", "enable_expert_parallel",
 )  # fmt: skip
 
@@ -133,6 +134,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, doc: str | None) -> No
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     g.add_argument("--cuda-graph-sizes", type=parse_int_list, metavar="N,N,...")
     g.add_argument("--graph-backend", choices=["auto", "cuda", "recording", "none"])
+    g.add_argument(
+        "--cudagraph-mode",
+        choices=["full_decode_only", "full_and_piecewise"],
+        help="full_and_piecewise: prefill/mixed steps replay piecewise graphs too",
+    )
+    g.add_argument("--piecewise-graph-sizes", type=parse_int_list, metavar="N,N,...")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     g.add_argument(
         "--no-prefix-caching",

@@ -8,6 +8,7 @@ them); this module only describes them and never allocates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,3 +129,22 @@ class ForwardContext:
     # once by the engine: kernels.choose_ops(backend, device).
     ops: OpSet
     workspace: Any = None  # the workspace arena (kernels/workspace/), when present
+    # Set only while piecewise CUDA graphs capture or replay a step
+    # (worker/piecewise_graphs.py): what splitting_op hands its call to.
+    split: Callable[..., torch.Tensor] | None = None
+
+    def splitting_op(self, fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
+        """fn(ctx, *rows): the one part of a layer that reads this step's
+        attention metadata (lengths, tables, host copies) — attention and
+        whatever must sit beside it. Everything else in a forward is per
+        token, which is what lets piecewise CUDA graphs capture it for a
+        fixed token count: they end a graph before each splitting op, run
+        the op eagerly with the live step's context, and replay the next.
+
+        The contract that makes this safe: fn reads metadata only through
+        the context it is given (never through a context it closed over),
+        and `rows` and its result are tensors whose first dimension is the
+        step's tokens (a replay hands fn the first num_tokens rows)."""
+        if self.split is None:
+            return fn(self, *rows)
+        return self.split(fn, *rows)

@@ -243,10 +243,18 @@ class V4Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        d, ops, attn = self.d, ctx.ops, ctx.attn
-        cache = ctx.kv_caches[self.layer_idx]
+        ops = ctx.ops
         q_residual, q, kv = ops.per_token(lambda r, p: self._prologue(r, p, ops), x, positions)
-        ops.write_rows(cache["kv"], kv, attn.slot_mapping)
+        ops.write_rows(ctx.kv_caches[self.layer_idx]["kv"], kv, ctx.attn.slot_mapping)
+        out = ctx.splitting_op(self._attention, x, q_residual, q, positions)
+        return ops.per_token(lambda o, p: self._epilogue(o, p, ops), out, positions)
+
+    def _attention(self, ctx: ForwardContext, x: torch.Tensor, q_residual: torch.Tensor,
+                   q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The splitting op (ForwardContext.splitting_op): the compressors
+        and the indexer read the step's lengths as much as attention does,
+        so they run inside it, projections included."""
+        d, cache = self.d, ctx.kv_caches[self.layer_idx]
         topk = None
         if self.compressor is not None:
             self.compressor.update(x, cache, "", ctx, self.rotary)
@@ -254,12 +262,11 @@ class V4Attention(nn.Module):
                 topk = self.compressor.indexer.select(
                     x, q_residual, positions, cache, ctx, self.rotary
                 )
-        out = ops.sparse_attention(
-            q, cache["kv"], attn, window=d.sliding_window, sinks=self.sinks,
+        return ctx.ops.sparse_attention(
+            q, cache["kv"], ctx.attn, window=d.sliding_window, sinks=self.sinks,
             scale=d.head_dim**-0.5, entry_cache=cache.get("entries"), ratio=self.ratio,
             topk_indices=topk, workspace=ctx.workspace,
         )  # fmt: skip
-        return ops.per_token(lambda o, p: self._epilogue(o, p, ops), out, positions)
 
     def _prologue(self, x: torch.Tensor, positions: torch.Tensor, ops: OpSet) -> tuple:
         """Per token: (the q-LoRA residual, the roped queries, the roped kv row)."""

@@ -144,7 +144,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         k_cache, v_cache = self._kv_cache(ctx)
         ctx.ops.write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
-        return self._attend(q, k_cache, v_cache, ctx)
+        return ctx.splitting_op(self._attend, q)
 
     def forward_rope(
         self,
@@ -167,7 +167,7 @@ class PagedAttention(nn.Module):
             None if k_norm is None else k_norm.weight,
             1e-6 if q_norm is None else q_norm.eps,
         )  # fmt: skip
-        return self._attend(q, k_cache, v_cache, ctx)
+        return ctx.splitting_op(self._attend, q)
 
     def _kv_cache(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layer_idx >= len(ctx.kv_caches):
@@ -177,9 +177,10 @@ class PagedAttention(nn.Module):
             )
         return ctx.kv_caches[self.layer_idx]
 
-    def _attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def _attend(self, ctx: ForwardContext, q: torch.Tensor) -> torch.Tensor:
+        """The splitting op (ForwardContext.splitting_op): the cache write
+        before it reads only slot_mapping, a per-token device buffer."""
+        k_cache, v_cache = self._kv_cache(ctx)
         attn = ctx.attn
         return ctx.ops.paged_attention(
             q,

@@ -208,13 +208,20 @@ class MLAAttention(nn.Module):
         # as both "k" and "v" stores the same row twice, which is harmless.
         ctx.ops.write_kv_cache(row, row, cache, cache, ctx.attn.slot_mapping)
 
-        if ctx.attn.max_query_len == 1:
-            out = self._decode_only(q_nope, q_pe, cache, ctx)
-        elif ctx.ops.batch_invariant:
-            out = self._every_token_absorbed(q_nope, q_pe, cache, ctx)
-        else:
-            out = self._mixed(q_nope, q_pe, cache, ctx)
+        out = ctx.splitting_op(self._attention, q_nope, q_pe)
         return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim), ops)
+
+    def _attention(
+        self, ctx: ForwardContext, q_nope: torch.Tensor, q_pe: torch.Tensor
+    ) -> torch.Tensor:
+        """The splitting op (ForwardContext.splitting_op): which form runs
+        depends on the step's query lengths, so the choice sits inside it."""
+        cache = ctx.kv_caches[self.layer_idx][0]
+        if ctx.attn.max_query_len == 1:
+            return self._decode_only(q_nope, q_pe, cache, ctx)
+        if ctx.ops.batch_invariant:
+            return self._every_token_absorbed(q_nope, q_pe, cache, ctx)
+        return self._mixed(q_nope, q_pe, cache, ctx)
 
     # --- decode: absorbed weights over the latent cache ---
 

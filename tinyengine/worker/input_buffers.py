@@ -47,7 +47,6 @@ class InputBuffers:
             logits_indices=zeros(max_seqs, dtype=torch.int64),
         )
 
-
     def write_step(self, inputs: Any, pad_slot: int) -> None:
         """A step's StepInputs (worker/step_inputs.py) into the buffers. A
         graph-shaped step is padded to its graph's size with one-token
@@ -61,9 +60,12 @@ class InputBuffers:
             buffer[:rows, :width].copy_(torch.from_numpy(table), non_blocking=True)
         size = inputs.graph_size
         if size is None:
-            write(self.input_ids, inputs.input_ids)
-            write(self.positions, inputs.positions)
-            write(self.slot_mapping, inputs.slots)
+            # A piecewise-graph step's padding tokens: K/V to pad_slot, and
+            # no sequence of the step's metadata owns them.
+            tokens = inputs.piecewise_size or 0
+            write(self.input_ids, inputs.input_ids, pad_to=tokens)
+            write(self.positions, inputs.positions, pad_to=tokens)
+            write(self.slot_mapping, inputs.slots, pad_to=tokens, pad=pad_slot)
             write(self.query_start_loc, inputs.query_start_loc)
             write(self.seq_lens, inputs.seq_lens)
             return

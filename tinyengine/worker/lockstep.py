@@ -49,7 +49,7 @@ class RankStage:
     seconds: float
     memory_after: int
     workspace_bytes: int
-    value: Any = None  # the method's result if a number or sizes (plan_kv's, capture's)
+    value: Any = None  # the method's result if a number or sizes (plan_kv's, capture's dict)
 
 
 def run_stage(stages: StartupStages, rank: int, name: str, args: tuple) -> tuple[Any, RankStage]:
@@ -62,7 +62,7 @@ def run_stage(stages: StartupStages, rank: int, name: str, args: tuple) -> tuple
         value = getattr(stages, name)(*args)
     seconds = time.perf_counter() - start
     memory, workspace = stages.memory_in_use(), stages.workspace_bytes()
-    shown = value if isinstance(value, (int, list)) else None
+    shown = value if isinstance(value, (int, list, dict)) else None
     record = RankStage(rank, name, seconds, memory, workspace, shown)
     return value, record
 
@@ -101,7 +101,7 @@ class LockstepStages:
     def warmup(self, num_kv_blocks: int) -> None:
         self._everywhere("warmup", num_kv_blocks)
 
-    def capture(self) -> list[int] | None:
+    def capture(self) -> dict[str, list[int]] | None:
         sizes = self._everywhere("capture")
         if any(s != sizes[0] for s in sizes):  # a bug, not a user error
             self.workers.shutdown(kill=True)

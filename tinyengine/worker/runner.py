@@ -31,14 +31,12 @@ from tinyengine.models.rotary import RopeCache
 from tinyengine.scheduling.block_manager import SlidingGroup
 from tinyengine.scheduling.scheduler import SchedulerOutput
 from tinyengine.worker.block_table import HostBlockTable
-from tinyengine.worker.cuda_graphs import (
-    DecodeGraphs,
-    capture_skip_reason,
-    default_capture_sizes,
-    graph_backend,
-)
+from tinyengine.worker.cuda_graphs import DecodeGraphs, capture_skip_reason, default_capture_sizes
+from tinyengine.worker.graph_capture import capture_graphs, piecewise_sizes
+from tinyengine.worker.inflight import InflightTokens
 from tinyengine.worker.input_buffers import InputBuffers, write
 from tinyengine.worker.kv_cache import allocate_cache, bytes_per_block, sliding_keep, zero_cache
+from tinyengine.worker.piecewise_graphs import PiecewiseGraphs
 from tinyengine.worker.prompt_logprobs import prompt_logprobs
 from tinyengine.worker.request_sampling import RequestSamplingState
 from tinyengine.worker.sample_output import PromptLogprobRows, StepLaunch
@@ -83,15 +81,16 @@ class ModelRunner:
             set(config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs))
         )
         self.graphs: DecodeGraphs | None = None
+        # Prefill/mixed token counts for piecewise graphs (worker/piecewise_graphs.py).
+        self.piecewise_sizes = piecewise_sizes(config)
+        self.piecewise: PiecewiseGraphs | None = None
         self.capture_skip_reason = ""
         self._decode_ctxs: dict[int, ForwardContext] = {}
         # The engine's StepProfiler when EngineConfig.profile_steps is on: its
         # forward hooks bracket the launch (None: not profiling, no cost).
         self.profiler: Any = None
-        # Asynchronous scheduling: the last launched step's sampled ids (on the
-        # device) by request, and this step's rows that read one of them.
-        self._last_sampled: torch.Tensor | None = None
-        self._last_row_of: dict[str, int] = {}
+        # Asynchronous scheduling: the last launched step's sampled ids.
+        self.inflight = InflightTokens()
         # The other tensor-parallel ranks (worker/worker_group.py's
         # WorkerGroup) once startup is READY; None with one rank, and on
         # every rank while the startup stages run (each runs them itself).
@@ -150,7 +149,7 @@ class ModelRunner:
         to that graph's size."""
         rows, waiting = step_rows(plan, self.block_table, self.block_size)
         # Rows whose token the last launch sampled read it on the device.
-        inflight = [(row, self._last_row_of[request_id]) for row, request_id in waiting]
+        inflight = self.inflight.rows(waiting)
         scheduled = plan.scheduled
         sampling = [i for i, s in enumerate(scheduled) if s.samples]
         is_decode = all(s.num_new_tokens == 1 for s in scheduled)
@@ -165,6 +164,8 @@ class ModelRunner:
             seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
             inputs = StepInputs(None, input_ids, positions, slots, seq_lens, query_start_loc,
                                 self._tables(*table))  # fmt: skip
+            if self.piecewise is not None:
+                inputs.piecewise_size = self.piecewise.padded_size(len(input_ids))
             logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]  # each one's last
         inputs.inflight, inputs.logits_rows = inflight, logits_rows
         if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
@@ -225,6 +226,13 @@ class ModelRunner:
         dummy block (profile and warmup use it to reach chosen shapes). Sequence
         i computes its last q_lens[i] positions of a seq_lens[i]-token context
         (default: the whole context is new). Returns the hidden states."""
+        return self.dummy_step(q_lens, seq_lens)[1]()
+
+    def dummy_step(
+        self, q_lens: list[int], seq_lens: list[int] | None = None
+    ) -> tuple[ForwardContext, Callable[[], torch.Tensor]]:
+        """dummy_forward's inputs, written; returns their context and the
+        forward over them (piecewise capture runs it under its graphs)."""
         seq_lens = seq_lens or q_lens
         starts = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
         num_tokens = starts[-1]
@@ -240,7 +248,7 @@ class ModelRunner:
             self._tables(np.empty(0, dtype=np.int64), width, len(seq_lens)),
         ))  # fmt: skip
         b = self.buffers
-        return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
+        return ctx, lambda: self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
 
     def decode_context(self, size: int) -> ForwardContext:
         """The fixed context of a graph-shaped decode batch of `size` rows: it
@@ -315,14 +323,16 @@ class ModelRunner:
         logits are collectives too, so every rank computes them)."""
         prof = self.profiler
         ctx = self.write_inputs(inputs)
-        self._fill_inflight(inputs.inflight)
+        self.inflight.fill(self.buffers.input_ids, inputs.inflight)
         if prof is not None:
             prof.forward_start()
         b, size = self.buffers, inputs.graph_size
+        n = inputs.num_tokens
         if size is not None:
             hidden = self.graphs.replay(size, self.decode_step(size))
+        elif inputs.piecewise_size is not None:
+            hidden = self.piecewise.replay(inputs.piecewise_size, ctx, n)[:n]
         else:
-            n = inputs.num_tokens
             hidden = self.model(b.input_ids[:n], b.positions[:n], ctx)
         prompt = None
         if inputs.prompt_rows:  # syncs (see its module docstring)
@@ -337,23 +347,10 @@ class ModelRunner:
         return logits, prompt
 
     def remember_sampled(self, token_ids: torch.Tensor, request_ids: list[str]) -> None:
-        """The ids just sampled (one per request, on the device): the next
-        step's rows whose token is still in flight read them (asynchronous
-        scheduling). Workers get rank 0's ids, without the request ids."""
-        self._last_sampled = token_ids
-        self._last_row_of = {request_id: i for i, request_id in enumerate(request_ids)}
+        """The ids just sampled, which the next step's in-flight rows read."""
+        self.inflight.remember(token_ids, request_ids)
 
-    def _fill_inflight(self, inflight: list[tuple[int, int]]) -> None:
-        """input_ids[row] = the id the last launched step sampled in row
-        `index`, copied on the device (stream order puts it after that step)."""
-        if not inflight:
-            return
-        index = torch.tensor(list(zip(*inflight, strict=True)), dtype=torch.long)
-        index = index.to(self.device, non_blocking=True)
-        ids = self.buffers.input_ids
-        ids.index_copy_(0, index[0], self._last_sampled.index_select(0, index[1]).to(ids.dtype))
-
-    # --- stage work: capture ---
+    # --- stage work: capture (worker/graph_capture.py) ---
 
     def capture_enabled(self) -> bool:
         """Whether capture will record graphs (sets capture_skip_reason if not)."""
@@ -364,6 +361,10 @@ class ModelRunner:
         """The decode sizes capture will record ([] when it will not)."""
         return self.capture_sizes if self.capture_enabled() else []
 
+    def piecewise_graph_sizes(self) -> list[int]:
+        """The prefill/mixed token counts capture will record ([] when none)."""
+        return self.piecewise_sizes if self.capture_enabled() else []
+
     @torch.inference_mode()
     def run_decode_shape(self, size: int) -> torch.Tensor:
         """One eager run of the graph-shaped decode step of `size` padding rows
@@ -372,19 +373,14 @@ class ModelRunner:
         return self.decode_step(size)()
 
     @torch.inference_mode()
-    def capture(self) -> list[int] | None:
+    def capture(self) -> dict[str, list[int]] | None:
+        """Record the decode ("full") and prefill/mixed ("piecewise") graphs;
+        returns their sizes, None when capture is skipped."""
         if not self.capture_enabled():
             return None
-        backend = graph_backend(self.config.graph_backend, self.device, self.workspace)
-        from tqdm.auto import tqdm  # a bar over the sizes; hidden when stderr is not a TTY
-
-        graphs = DecodeGraphs(backend)
-        sizes = sorted(self.capture_sizes, reverse=True)  # largest first: one shared pool
-        for size in tqdm(sizes, desc="capture graphs", unit="graph", disable=None, leave=False):
-            self.write_decode_inputs(size, NO_ROWS)
-            graphs.capture(size, self.decode_step(size))
-        self.graphs = graphs
-        return graphs.sizes
+        self.graphs, self.piecewise = capture_graphs(self)
+        return {"full": self.graphs.sizes,
+                "piecewise": self.piecewise.sizes if self.piecewise else []}  # fmt: skip
 
     # --- per-request state ---
 
@@ -393,7 +389,4 @@ class ModelRunner:
         self.block_table.release(request_id)
 
     def discard_inflight(self) -> None:
-        """Forget the launched steps' sampled ids (their step failed): no later
-        step may read them as its input."""
-        self._last_sampled = None
-        self._last_row_of = {}
+        self.inflight.discard()

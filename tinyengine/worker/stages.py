@@ -32,6 +32,7 @@ from tinyengine.config import EngineConfig
 from tinyengine.kernels import jit_monitor
 from tinyengine.models.loader import load_hf_config
 from tinyengine.sampling_params import SamplingParams
+from tinyengine.worker.graph_capture import run_piecewise_shape
 from tinyengine.worker.kv_cache import sliding_blocks_wanted, sliding_bytes
 from tinyengine.worker.runner import ModelRunner
 from tinyengine.worker.warmup import light_startup, run_warmup
@@ -41,6 +42,9 @@ from tinyengine.worker.warmup import light_startup, run_warmup
 class ProfileResult:
     peak_bytes: int  # activations + scratch of the worst step, above the steady state
     decode_peak_bytes: int  # the same for the largest decode batch (sizes the graph pool)
+    # The piecewise graphs' share of the pool: the largest token count's
+    # activations and its splitting ops' kept inputs and outputs.
+    piecewise_bytes: int = 0
 
 
 class StartupStages:
@@ -122,7 +126,15 @@ class StartupStages:
         for size in sorted(sizes):
             runner.run_decode_shape(size)
         decode_peak = _peak_since(device, mark)
-        return ProfileResult(max(peak, decode_peak), decode_peak)
+        # 4. The largest piecewise-graph step (none on a light startup, whose
+        #    budget is cpu_kv_cache_gib and whose arena step 2 sized).
+        piecewise = 0
+        sizes = runner.piecewise_graph_sizes()
+        if sizes and not light_startup(runner):
+            mark = _memory_mark(device)
+            kept = run_piecewise_shape(runner, max(sizes))
+            piecewise = _peak_since(device, mark) + kept
+        return ProfileResult(max(peak, decode_peak), decode_peak, piecewise)
 
     def size_kv(self, profile: ProfileResult) -> int:
         """Allocate the KV cache: `num_kv_blocks` from the config, else what
@@ -151,7 +163,7 @@ class StartupStages:
     def warmup(self, num_kv_blocks: int) -> None:
         run_warmup(self.runner, num_kv_blocks)
 
-    def capture(self) -> list[int] | None:
+    def capture(self) -> dict[str, list[int]] | None:
         return self.runner.capture()
 
     def lock(self) -> None:
@@ -201,6 +213,7 @@ class StartupStages:
                 - held_by_torch
                 - profile.peak_bytes
                 - profile.decode_peak_bytes  # graph pool estimate: the largest decode step
+                - profile.piecewise_bytes  # ... and the piecewise graphs' share
             )
             gib = total / 2**30
             where = f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {gib:.1f} GiB"

@@ -94,7 +94,8 @@ class Stages(Protocol):
     def profile(self) -> Profiled: ...
     def size_kv(self, profile: Any) -> int: ...  # profile's result -> usable KV blocks
     def warmup(self, num_kv_blocks: int) -> None: ...
-    def capture(self) -> list[int] | None: ...  # captured sizes; None = skipped
+    # {"full": decode sizes, "piecewise": token counts}; None = skipped
+    def capture(self) -> dict[str, list[int]] | None: ...
     def lock(self) -> None: ...
     def shutdown(self) -> None: ...  # ends what the stages started (worker processes)
     def set_stage(self, name: str) -> None: ...  # tells the workspace who is growing it
@@ -121,7 +122,8 @@ class StartupReport:
     stages: list[StageRecord] = field(default_factory=list)
     profiled_peak_bytes: int = 0
     num_kv_blocks: int = 0
-    captured_sizes: list[int] = field(default_factory=list)
+    captured_sizes: list[int] = field(default_factory=list)  # full decode graphs
+    piecewise_sizes: list[int] = field(default_factory=list)  # prefill/mixed token counts
     workspace_bytes_at_kv_sizing: int = 0
     workspace_growth_after_kv_sizing: int = 0  # bytes; 0 when profile reached the worst case
     error: str | None = None
@@ -148,6 +150,7 @@ class StartupReport:
         lines.append(
             f"state={self.state} kv_blocks={self.num_kv_blocks} "
             f"captured={self.captured_sizes or 'none'} "
+            f"piecewise={self.piecewise_sizes or 'none'} "
             f"workspace_growth_after_kv_sizing={self.workspace_growth_after_kv_sizing}B"
         )
         by_rank: dict[int, list[str]] = {}
@@ -215,8 +218,10 @@ class StartupMachine:
             sizes = self.stages.capture()
             if sizes is None:
                 return None
-            self.report.captured_sizes = list(sizes)
-            return f"{len(sizes)} graphs"  # the sizes are in report.captured_sizes
+            self.report.captured_sizes = list(sizes["full"])
+            self.report.piecewise_sizes = list(sizes["piecewise"])
+            # The sizes themselves are in the report.
+            return f"{len(sizes['full'])} full, {len(sizes['piecewise'])} piecewise"
 
         self._run("capture", work)
 
@@ -304,7 +309,9 @@ class StartupMachine:
         if name == "capture":
             if record.skipped:
                 return f"; graphs skipped: {record.note}"
-            return f"; captured {len(report.captured_sizes)} graphs, sizes {report.captured_sizes}"
+            return (f"; captured {len(report.captured_sizes)} decode graphs, sizes "
+                    f"{report.captured_sizes}; piecewise token counts "
+                    f"{report.piecewise_sizes or 'none'}")  # fmt: skip
         if name == "lock":
             total = sum(s.seconds for s in report.stages)
             return (

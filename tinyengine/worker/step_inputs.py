@@ -46,6 +46,9 @@ class StepInputs:
     # whose token was still in flight when the step was planned.
     inflight: list[tuple[int, int]] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)  # the hidden rows that sample
+    # An eager-shaped step that replays the piecewise graphs of this many
+    # tokens (worker/piecewise_graphs.py); its token rows are padded to it.
+    piecewise_size: int | None = None
     prompt_rows: list[PromptRows] = field(default_factory=list)
 
     @property

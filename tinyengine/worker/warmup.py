@@ -28,6 +28,7 @@ from tinyengine.sampling_params import SamplingParams
 from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request
 from tinyengine.scheduling.scheduler import Scheduler
+from tinyengine.worker.graph_capture import run_piecewise_shape
 from tinyengine.worker.runner import ModelRunner
 
 DECODE_STEPS = 3
@@ -120,6 +121,8 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
     if not light:
         for size in runner.graph_sizes():
             runner.run_decode_shape(size)
+        for size in runner.piecewise_graph_sizes():
+            run_piecewise_shape(runner, size)
 
     runner.zero_kv_cache()
     runner.request_sampling.generators.clear()
