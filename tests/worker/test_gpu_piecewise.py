@@ -12,9 +12,7 @@ import random
 
 import pytest
 
-from tests.hf_deepseek import make_tiny_deepseek
-from tests.hf_deepseek_v4 import make_tiny_v4
-from tests.hf_models import make_tiny_hf_model
+from tests.worker.test_piecewise_graphs import _model
 from tinyengine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -26,14 +24,6 @@ def _prompts() -> list[dict]:
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 6, 19, 37, 90)]
     prompts += [shared + [rng.randrange(3, 500) for _ in range(k)] for k in (3, 14)]
     return [{"prompt_token_ids": p} for p in prompts]
-
-
-def _model(kind: str, root) -> str:
-    if kind == "deepseek-v3":
-        return str(make_tiny_deepseek("v3", root))
-    if kind == "deepseek-v4":
-        return str(make_tiny_v4(root))
-    return str(make_tiny_hf_model(kind, root, num_hidden_layers=2))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek-v3", "deepseek-v4"])

@@ -54,7 +54,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def _ctx(num_seqs: int, num_tokens: int, workspace: Workspace) -> ForwardContext:
     empty = torch.zeros(0, dtype=torch.int32)
     attn = AttentionMetadata(num_tokens, num_seqs, 1, 1, empty, empty, empty, empty)
-    return ForwardContext(attn, [], choose_ops("torch", "cpu"), workspace)
+    return ForwardContext(attn, [None], choose_ops("torch", "cpu"), workspace)  # one layer
 
 
 def _scale_by_seqs(ctx: ForwardContext, rows: torch.Tensor) -> torch.Tensor:
@@ -191,6 +191,26 @@ def test_piecewise_under_preemption_keeps_the_eager_tokens(tmp_path):
     assert tokens == eager
 
 
+def test_piecewise_logprobs_and_prompt_logprobs_match_eager(tmp_path):
+    """Hidden rows past the real tokens are padding: the sampled rows and the
+    prompt positions read only real ones."""
+    path = _model("qwen3", tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)  # fmt: skip
+    outs = {}
+    for name, config in (("eager", {"graph_backend": "none"}), ("piecewise", PIECEWISE)):
+        llm, _ = _generate(path, **config)
+        outs[name] = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    for got, want in zip(outs["piecewise"], outs["eager"], strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        pairs = list(zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True))
+        pairs += list(zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True))
+        for a, b in pairs:
+            assert a.keys() == b.keys()
+            for token in a:
+                assert abs(a[token].logprob - b[token].logprob) < 1e-5
+
+
 def test_an_attention_that_ignores_the_live_context_is_caught(tmp_path, monkeypatch):
     """Break the contract: the splitting op attends with the context its
     layer closed over (at replay: the capture's dummy step). The tokens
@@ -217,6 +237,20 @@ def test_an_attention_that_ignores_the_live_context_is_caught(tmp_path, monkeypa
         assert "paged_attention" in str(exc) or "size of tensor" in str(exc), exc
     else:
         assert tokens != eager
+
+
+def test_an_attention_that_bypasses_the_splitting_op_fails_startup(tmp_path, monkeypatch):
+    """Its graph would bake the dummy step's lengths into attention."""
+    path = _model("llama", tmp_path)
+
+    def forward_rope(self, q, k, v, positions, cos_sin_cache, ctx, q_norm=None, k_norm=None):
+        k_cache, v_cache = self._kv_cache(ctx)
+        ctx.ops.write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        return self._attend(ctx, q)
+
+    monkeypatch.setattr(PagedAttention, "forward_rope", forward_rope)
+    with pytest.raises(RuntimeError, match="met 0 splitting ops for 2 attention layers"):
+        _generate(path, **PIECEWISE)
 
 
 # --------------------------------------------------------------------------

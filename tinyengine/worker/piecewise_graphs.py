@@ -252,7 +252,17 @@ class PiecewiseGraphs:
         return sorted(self.captured)
 
     def capture(self, size: int, ctx: Any, step: Callable[[], torch.Tensor]) -> None:
-        self.captured[size] = self.backend.capture(ctx, step, self.buffers)
+        captured = self.backend.capture(ctx, step, self.buffers)
+        # One splitting op per attention layer (each has one entry in the
+        # cache list): a layer whose attention bypassed splitting_op would be
+        # replayed with the dummy step's lengths baked in.
+        if len(captured.calls) != len(ctx.kv_caches):
+            raise RuntimeError(
+                f"piecewise capture at {size} tokens met {len(captured.calls)} splitting ops "
+                f"for {len(ctx.kv_caches)} attention layers: every attention must run through "
+                "ForwardContext.splitting_op (or use cudagraph_mode='full_decode_only')"
+            )
+        self.captured[size] = captured
 
     def padded_size(self, num_tokens: int) -> int | None:
         for size in self.sizes:
