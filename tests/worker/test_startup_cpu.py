@@ -132,6 +132,38 @@ def test_triton_on_cpu_keeps_the_full_startup(llama_path, calls):
     assert _in(calls, "profile").get("forward:16x1") == 1
 
 
+def test_warmup_runs_every_piecewise_shape_before_any_capture(llama_path, monkeypatch):
+    """A full startup (Triton ops on CPU): profile runs the largest piecewise
+    step, warmup every one, and only then does capture record any graph."""
+    from tinyengine.worker import stages, warmup
+    from tinyengine.worker.piecewise_graphs import PiecewiseGraphs
+
+    events: list[str] = []
+    run_shape, capture = warmup.run_piecewise_shape, PiecewiseGraphs.capture
+
+    def spy_run(where):
+        def run(runner, size):
+            events.append(f"{where}:{size}")
+            return run_shape(runner, size)
+
+        return run
+
+    def spy_capture(self, size, ctx, step):
+        events.append(f"capture:{size}")
+        return capture(self, size, ctx, step)
+
+    monkeypatch.setattr(stages, "run_piecewise_shape", spy_run("profile"))
+    monkeypatch.setattr(warmup, "run_piecewise_shape", spy_run("warmup"))
+    monkeypatch.setattr(PiecewiseGraphs, "capture", spy_capture)
+    llm = LLM(llama_path, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
+              attention_backend="triton", graph_backend="recording", cuda_graph_sizes=[1, 2],
+              cudagraph_mode="full_and_piecewise", piecewise_graph_sizes=[8, 16],
+              print_startup_report=False)  # fmt: skip
+    assert events == ["profile:16", "warmup:8", "warmup:16", "capture:16", "capture:8"]
+    report = llm.startup_report()
+    assert report.piecewise_sizes == [8, 16] and report.workspace_growth_after_kv_sizing == 0
+
+
 def test_smollm2_ready_within_bound_on_cpu(smollm2_path, caplog):
     """`LLM(smollm2)` with its defaults (max_model_len 8192, 16 sequences,
     a 512-token step budget) on CPU: READY within READY_BOUND_S, and every
