@@ -4,7 +4,8 @@ For tiny random Llama (GQA), Qwen2 (tied embeddings) and Qwen3 models, a batch
 of prompts of varied lengths (some sharing long prefixes) must produce HF's
 greedy tokens exactly, with per-step log-probabilities within 1e-4, under every
 engine configuration that changes *how* the work is done (block size, chunked
-prefill, preemption, prefix caching) but not *what* is computed.
+prefill, preemption, prefix caching, piecewise graph replays) but not *what*
+is computed.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ CONFIGS = {
     # Each step waits for its own tokens (the default overlaps them with the next step).
     "sync": {"async_scheduling": False},
     "preempt_sync": {"num_kv_blocks": 12, "block_size": 8, "async_scheduling": False},
+    # Piecewise graphs (the CPU stand-in): chunked prefills and mixed steps
+    # replay graph chains with attention between them.
+    "piecewise": {"graph_backend": "recording", "cudagraph_mode": "full_and_piecewise",
+                  "max_num_batched_tokens": 48, "cuda_graph_sizes": [1, 2]},  # fmt: skip
 }
 
 
@@ -81,6 +86,8 @@ def test_greedy_matches_hf(model_and_reference, name):
         assert stats["num_preemptions"] > 0
     if name == "chunked":
         assert stats["num_steps"] > MAX_NEW + 4  # 60-token prompt alone needs 4 chunks
+    if name == "piecewise":
+        assert llm.engine.runner.piecewise.backend.num_replays > 0
     if name == "default":
         # Every prompt fits the first step (CPU budget: 512 tokens), so the
         # shared-prefix prompts after the first hit the blocks it fills in

@@ -83,6 +83,10 @@ CONFIGS = {
     "chunked": {"max_num_batched_tokens": 16},  # long prompts in chunks, mixed with decodes
     "preempt": {"num_kv_blocks": 12, "block_size": 8},  # too few blocks for the whole batch
     "block4_no_prefix_cache": {"block_size": 4, "enable_prefix_caching": False},
+    # Piecewise graphs (the CPU stand-in): chunked prefills and mixed steps
+    # replay graph chains with attention between them.
+    "piecewise": {"graph_backend": "recording", "cudagraph_mode": "full_and_piecewise",
+                  "max_num_batched_tokens": 48, "cuda_graph_sizes": [1, 2]},  # fmt: skip
 }
 
 
@@ -98,6 +102,8 @@ def test_greedy_matches_hf(model_and_reference, mla_paths, name):
         assert mla_paths["mixed"] > 0, "no step mixed decode rows with prefill chunks"
     if name == "preempt":
         assert stats["num_preemptions"] > 0
+    if name == "piecewise":
+        assert llm.engine.runner.piecewise.backend.num_replays > 0
 
 
 def test_prefix_cache_hits_give_same_tokens(model_and_reference):

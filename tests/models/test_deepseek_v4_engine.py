@@ -71,6 +71,10 @@ CONFIGS = {
     # indexer, compressor and mHC kernels; profile also runs every
     # graph-shaped decode size.
     "triton": {"attention_backend": "triton", "max_num_seqs": 4},
+    # Piecewise graphs (the CPU stand-in): chunked prefills and mixed steps
+    # replay graph chains with attention between them.
+    "piecewise": {"graph_backend": "recording", "cudagraph_mode": "full_and_piecewise",
+                  "max_num_batched_tokens": 48, "cuda_graph_sizes": [1, 2]},  # fmt: skip
 }
 
 
@@ -82,6 +86,8 @@ def test_greedy_matches_hf(model_and_reference, name):
     _assert_idle(llm)
     if name == "preempt":
         assert llm.stats()["num_preemptions"] > 0
+    if name == "piecewise":
+        assert llm.engine.runner.piecewise.backend.num_replays > 0
 
 
 def test_prefix_cache_hits_restore_every_kind_of_state(model_and_reference):
