@@ -25,6 +25,9 @@ class InputBuffers:
     seq_lens: torch.Tensor  # int32 [max_num_seqs]
     block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks_per_seq]
     logits_indices: torch.Tensor  # int64 [max_num_seqs]
+    # 0, 1, ..., max_num_seqs, never written: a decode graph's rows are one
+    # token each, so its query_start_loc is a prefix of this (no per-step copy).
+    decode_query_start_loc: torch.Tensor  # int32 [max_num_seqs + 1]
     # The full-history group's table when the model has two cache groups
     # (HybridCacheSpec.keep); block_tables is then the sliding group's.
     entry_block_tables: torch.Tensor | None = None
@@ -45,6 +48,7 @@ class InputBuffers:
             seq_lens=zeros(max_seqs, dtype=torch.int32),
             block_tables=zeros(max_seqs, max_blocks, dtype=torch.int32),
             logits_indices=zeros(max_seqs, dtype=torch.int64),
+            decode_query_start_loc=torch.arange(max_seqs + 1, dtype=torch.int32, device=device),
         )
 
     def write_step(self, inputs: Any, pad_slot: int) -> None:
@@ -72,7 +76,6 @@ class InputBuffers:
         write(self.input_ids, inputs.input_ids, pad_to=size)
         write(self.positions, inputs.positions, pad_to=size)
         write(self.slot_mapping, inputs.slots, pad_to=size, pad=pad_slot)
-        write(self.query_start_loc, range(size + 1))
         write(self.seq_lens, inputs.seq_lens, pad_to=size, pad=1)
 
 

@@ -262,7 +262,7 @@ class ModelRunner:
                 num_seqs=size,
                 max_query_len=1,
                 max_seq_len=self.max_model_len,
-                query_start_loc=b.query_start_loc[: size + 1],
+                query_start_loc=b.decode_query_start_loc[: size + 1],
                 seq_lens=b.seq_lens[:size],
                 block_tables=b.block_tables[:size],
                 slot_mapping=b.slot_mapping[:size],
