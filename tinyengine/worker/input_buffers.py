@@ -73,7 +73,10 @@ class InputBuffers:
             write(self.query_start_loc, inputs.query_start_loc)
             write(self.seq_lens, inputs.seq_lens)
             return
-        write(self.input_ids, inputs.input_ids, pad_to=size)
+        if len(inputs.inflight) < len(inputs.input_ids):
+            # (When every row's id is in flight, the runner copies them all
+            # on the device; padding rows may read any earlier, valid ids.)
+            write(self.input_ids, inputs.input_ids, pad_to=size)
         write(self.positions, inputs.positions, pad_to=size)
         write(self.slot_mapping, inputs.slots, pad_to=size, pad=pad_slot)
         write(self.seq_lens, inputs.seq_lens, pad_to=size, pad=1)
