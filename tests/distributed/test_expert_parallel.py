@@ -13,20 +13,15 @@ refused with clear errors."""
 
 from __future__ import annotations
 
-import os
 import re
-import sys
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.distributed.checkpoint_reads import record_reads
-from tests.distributed.test_tensor_parallel import _build, _free_port, _steps
+from tests.distributed.rank_processes import spawn_ranks
+from tests.distributed.test_tensor_parallel import _build, _steps
 from tests.hf_deepseek_v4 import make_tiny_v4
-from tinyengine.distributed.tp import init_tp
 from tinyengine.kernels.opset import torch_ops, triton_ops
 from tinyengine.models.context import ForwardContext
 from tinyengine.models.loader import load_hf_config, load_model
@@ -36,47 +31,21 @@ MODELS = ["deepseek-v3", "deepseek-v2-lite"]
 NUM_EXPERTS = 8  # tests/hf_deepseek.py's tiny variants
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str) -> None:
-    """One rank: every model in `paths` in turn, expert-parallel; rank 0
-    saves the logits (a list per model)."""
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size)  # fmt: skip
-        init_tp(rank, size)
-        torch.set_num_threads(1)
-        logits = []
-        for path in paths:
-            model = load_model(path, load_hf_config(path), torch.float32, "cpu", tp_rank=rank,
-                               tp_size=size, expert_parallel=True)  # fmt: skip
-            experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-            assert experts and all(e.w13_weight.shape[0] == NUM_EXPERTS // size for e in experts)
-            logits.append(_steps(model))
-        if rank == 0:
-            torch.save(logits, out)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{out}.rank{rank}.err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    # The rank's work is done; skip the interpreter's finalization, where
-    # gloo's worker thread may free a finished collective's tensors without
-    # the GIL and abort the process (test_tensor_parallel_v4.py says more).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _expert_parallel_logits(rank: int, size: int, paths: list[str]) -> list[list[torch.Tensor]]:
+    """One rank: every model in `paths` in turn, expert-parallel; their logits."""
+    logits = []
+    for path in paths:
+        model = load_model(path, load_hf_config(path), torch.float32, "cpu", tp_rank=rank,
+                           tp_size=size, expert_parallel=True)  # fmt: skip
+        experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        assert experts and all(e.w13_weight.shape[0] == NUM_EXPERTS // size for e in experts)
+        logits.append(_steps(model))
+    return logits
 
 
 def test_two_expert_parallel_ranks_give_the_one_process_logits(tmp_path):
     paths = [_build(name, tmp_path / name) for name in MODELS]
-    out, size = str(tmp_path / "ep2.pt"), 2
-    try:
-        mp.spawn(_rank_main, args=(size, _free_port(), paths, out), nprocs=size, join=True)
-    except Exception as exc:
-        errors = [open(f"{out}.rank{r}.err").read() for r in range(size)
-                  if os.path.exists(f"{out}.rank{r}.err")]  # fmt: skip
-        raise AssertionError("a rank failed:\n" + "\n".join(errors)) from exc
-    got = torch.load(out)
+    got = spawn_ranks(_expert_parallel_logits, (paths,), 2, tmp_path)
     for name, path, model_got in zip(MODELS, paths, got, strict=True):
         want = _steps(load_model(path, load_hf_config(path), torch.float32, "cpu"))
         for step_got, step_want in zip(model_got, want, strict=True):

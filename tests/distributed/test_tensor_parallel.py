@@ -15,20 +15,14 @@ without processes."""
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.distributed.checkpoint_reads import record_reads
+from tests.distributed.rank_processes import spawn_ranks
 from tests.hf_deepseek import make_tiny_deepseek
 from tests.hf_models import make_tiny_hf_model
-from tinyengine.distributed.tp import init_tp, shard
+from tinyengine.distributed.tp import shard
 from tinyengine.kernels import torch_ops
 from tinyengine.models.context import AttentionMetadata, ForwardContext
 from tinyengine.models.loader import load_hf_config, load_model
@@ -83,52 +77,16 @@ def _steps(model, num_blocks: int = 16) -> list[torch.Tensor]:
     return [first, second]
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str) -> None:
-    """One rank: every model in `paths` in turn, sharded; rank 0 saves the
-    logits (a list per model)."""
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size)  # fmt: skip
-        init_tp(rank, size)
-        torch.set_num_threads(1)
-        logits = []
-        for path in paths:
-            hf_config = load_hf_config(path)
-            model = load_model(path, hf_config, torch.float32, "cpu", tp_rank=rank, tp_size=size)
-            logits.append(_steps(model))
-        if rank == 0:
-            torch.save(logits, out)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{out}.rank{rank}.err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    # The rank's work is done; skip the interpreter's finalization, where
-    # gloo's worker thread may free a finished collective's tensors without
-    # the GIL and abort the process (test_tensor_parallel_v4.py says more).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _sharded_logits(rank: int, size: int, paths: list[str]) -> list[list[torch.Tensor]]:
+    """One rank: every model in `paths` in turn, sharded; their logits."""
+    return [_steps(load_model(path, load_hf_config(path), torch.float32, "cpu", tp_rank=rank,
+                              tp_size=size)) for path in paths]  # fmt: skip
 
 
 def _tp_logits(paths: list[str], size: int, tmp_path) -> list[list[torch.Tensor]]:
     """Per model, the logits of _steps run by `size` ranks (one process group
     for all of them: process start-ups are the slow part on a small CPU)."""
-    out = str(tmp_path / f"tp{size}.pt")
-    try:
-        mp.spawn(_rank_main, args=(size, _free_port(), paths, out), nprocs=size, join=True)
-    except Exception as exc:
-        errors = [open(f"{out}.rank{r}.err").read() for r in range(size)
-                  if os.path.exists(f"{out}.rank{r}.err")]  # fmt: skip
-        raise AssertionError("a rank failed:\n" + "\n".join(errors)) from exc
-    return torch.load(out)
+    return spawn_ranks(_sharded_logits, (paths,), size, tmp_path)
 
 
 MODELS = ["llama", "qwen2", "qwen3", "deepseek-v3", "deepseek-v2-lite"]

@@ -15,21 +15,15 @@ one spawn for the whole file (process start-ups are the slow part)."""
 
 from __future__ import annotations
 
-import os
 import re
-import sys
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.distributed.checkpoint_reads import record_reads
-from tests.distributed.test_tensor_parallel import _free_port
+from tests.distributed.rank_processes import spawn_ranks
 from tests.hf_deepseek_v4 import make_tiny_v4
 from tests.models.forward_harness import PagedHarness
-from tinyengine.distributed.tp import init_tp
 from tinyengine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tinyengine.models.deepseek_v4_attention import CSA, HCA
 from tinyengine.models.loader import load_hf_config, load_model
@@ -67,29 +61,8 @@ def _steps(model) -> list[torch.Tensor]:
     return [torch.cat(list(first.values())), torch.cat(list(second.values()))]
 
 
-def _rank_main(rank: int, size: int, port: int, path: str, out: str) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size)  # fmt: skip
-        init_tp(rank, size)
-        torch.set_num_threads(1)
-        logits = _steps(_load(path, rank, size))
-        if rank == 0:
-            torch.save(logits, out)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{out}.rank{rank}.err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    # The rank's work is done; skip the interpreter's finalization. gloo's
-    # worker thread may free a finished collective (the barrier holds the
-    # all-gather before it) only after finalization has begun: dropping its
-    # tensors' Python objects then needs the GIL, and the thread aborts the
-    # process (SIGABRT, "terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _sharded_logits(rank: int, size: int, path: str) -> list[torch.Tensor]:
+    return _steps(_load(path, rank, size))
 
 
 def test_two_ranks_give_the_one_process_logits(tiny, tmp_path):
@@ -98,14 +71,7 @@ def test_two_ranks_give_the_one_process_logits(tiny, tmp_path):
     shortest = min(len(p) for p in PROMPTS)
     assert shortest > 2 * config["sliding_window"] and shortest // rates[CSA] > config["index_topk"]
     assert shortest // rates[HCA] >= 2
-    out = str(tmp_path / "tp.pt")
-    try:
-        mp.spawn(_rank_main, args=(SIZE, _free_port(), tiny, out), nprocs=SIZE, join=True)
-    except Exception as exc:
-        errors = [open(f"{out}.rank{r}.err").read() for r in range(SIZE)
-                  if os.path.exists(f"{out}.rank{r}.err")]  # fmt: skip
-        raise AssertionError("a rank failed:\n" + "\n".join(errors)) from exc
-    got = torch.load(out)
+    got = spawn_ranks(_sharded_logits, (tiny,), SIZE, tmp_path)
     want = _steps(_load(tiny))
     for step_got, step_want in zip(got, want, strict=True):
         torch.testing.assert_close(step_got, step_want, rtol=1e-5, atol=1e-5)
