@@ -89,14 +89,9 @@ class LLMEngine:
         self.runner = runner
         self._jit_compiles_at_ready = jit_monitor.num_compiles()
         num_blocks = startup.report.num_kv_blocks
-        self.scheduler = Scheduler(
-            BlockManager(
-                num_blocks, config.block_size, config.enable_prefix_caching,
-                runner.sliding_group(),
-            ),  # fmt: skip
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
+        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                              runner.sliding_group())  # fmt: skip
+        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
         cache_tokens = num_blocks * config.block_size
         if cache_tokens < self.max_model_len:
             # vLLM refuses to start here; we serve, with a smaller usable

@@ -222,12 +222,13 @@ class RecordingPiecewiseBackend:
             )
         calls = iter(captured.calls)
 
-        def split(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
+        def split(_fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
             call = next(calls)
-            # What the graph before the op would have written into its inputs.
+            # What the graph before the op would have written into its inputs;
+            # then the op recorded at capture, as a real replay calls it.
             for kept, row in zip(call.rows, rows, strict=True):
                 kept.copy_(row)
-            return SplitCall(fn, call.rows, call.output).run(ctx, num_tokens)
+            return call.run(ctx, num_tokens)
 
         captured.ctx.split = split
         try:
