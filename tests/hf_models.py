@@ -53,6 +53,16 @@ _TINY: dict[str, Any] = dict(
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
+# The parity suites' piecewise-graph configuration (the CPU stand-in for
+# graphs): 48-token chunks, so prefills chunk and mix with decodes, and
+# decode batches past 2 rows replay piecewise chains too.
+PIECEWISE_CONFIG = {
+    "graph_backend": "recording",
+    "cudagraph_mode": "full_and_piecewise",
+    "max_num_batched_tokens": 48,
+    "cuda_graph_sizes": [1, 2],
+}
+
 # Named variants the test suite covers: name -> (arch, config overrides).
 TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),

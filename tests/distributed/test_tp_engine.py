@@ -63,8 +63,16 @@ def _workers(llm: LLM) -> list[subprocess.Popen]:
         ("deepseek-v4", {"enable_expert_parallel": True}),
         ("llama", PIECEWISE),
     ],
-    ids=["llama", "qwen3", "deepseek-v3", "deepseek-v4", "deepseek-v3-ep", "deepseek-v2-lite-ep",
-         "deepseek-v4-ep", "llama-piecewise"],  # fmt: skip
+    ids=[
+        "llama",
+        "qwen3",
+        "deepseek-v3",
+        "deepseek-v4",
+        "deepseek-v3-ep",
+        "deepseek-v2-lite-ep",
+        "deepseek-v4-ep",
+        "llama-piecewise",
+    ],
 )
 def test_two_ranks_generate_the_one_process_tokens(name, options, tmp_path):
     folder = tmp_path / name

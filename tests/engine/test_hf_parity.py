@@ -15,7 +15,12 @@ import random
 import pytest
 import torch
 
-from tests.hf_models import assert_greedy_matches, hf_greedy, make_tiny_hf_model
+from tests.hf_models import (
+    PIECEWISE_CONFIG,
+    assert_greedy_matches,
+    hf_greedy,
+    make_tiny_hf_model,
+)
 from tinyengine import LLM, SamplingParams
 
 MAX_NEW = 10
@@ -61,10 +66,7 @@ CONFIGS = {
     # Each step waits for its own tokens (the default overlaps them with the next step).
     "sync": {"async_scheduling": False},
     "preempt_sync": {"num_kv_blocks": 12, "block_size": 8, "async_scheduling": False},
-    # Piecewise graphs (the CPU stand-in): chunked prefills and mixed steps
-    # replay graph chains with attention between them.
-    "piecewise": {"graph_backend": "recording", "cudagraph_mode": "full_and_piecewise",
-                  "max_num_batched_tokens": 48, "cuda_graph_sizes": [1, 2]},  # fmt: skip
+    "piecewise": PIECEWISE_CONFIG,  # graph chains with attention run between them
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.hf_deepseek import hf_greedy, make_tiny_deepseek
-from tests.hf_models import assert_greedy_matches
+from tests.hf_models import PIECEWISE_CONFIG, assert_greedy_matches
 from tinyengine import LLM, SamplingParams
 from tinyengine.models.mla import MLAAttention
 
@@ -83,10 +83,7 @@ CONFIGS = {
     "chunked": {"max_num_batched_tokens": 16},  # long prompts in chunks, mixed with decodes
     "preempt": {"num_kv_blocks": 12, "block_size": 8},  # too few blocks for the whole batch
     "block4_no_prefix_cache": {"block_size": 4, "enable_prefix_caching": False},
-    # Piecewise graphs (the CPU stand-in): chunked prefills and mixed steps
-    # replay graph chains with attention between them.
-    "piecewise": {"graph_backend": "recording", "cudagraph_mode": "full_and_piecewise",
-                  "max_num_batched_tokens": 48, "cuda_graph_sizes": [1, 2]},  # fmt: skip
+    "piecewise": PIECEWISE_CONFIG,  # graph chains with attention run between them
 }
 
 

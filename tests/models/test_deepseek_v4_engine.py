@@ -16,7 +16,7 @@ import torch
 
 from tests.hf_deepseek import hf_greedy
 from tests.hf_deepseek_v4 import make_tiny_v4
-from tests.hf_models import assert_greedy_matches
+from tests.hf_models import PIECEWISE_CONFIG, assert_greedy_matches
 from tinyengine import LLM, SamplingParams
 
 MAX_NEW = 12
@@ -71,10 +71,7 @@ CONFIGS = {
     # indexer, compressor and mHC kernels; profile also runs every
     # graph-shaped decode size.
     "triton": {"attention_backend": "triton", "max_num_seqs": 4},
-    # Piecewise graphs (the CPU stand-in): chunked prefills and mixed steps
-    # replay graph chains with attention between them.
-    "piecewise": {"graph_backend": "recording", "cudagraph_mode": "full_and_piecewise",
-                  "max_num_batched_tokens": 48, "cuda_graph_sizes": [1, 2]},  # fmt: skip
+    "piecewise": PIECEWISE_CONFIG,  # graph chains with attention run between them
 }
 
 
