@@ -69,11 +69,13 @@ class EngineConfig:
     # every replay (tests use it to exercise capture/replay without a GPU).
     graph_backend: str = "auto"
     # Which steps replay graphs (vLLM's cudagraph_mode names):
-    # "full_decode_only": decode batches replay whole-step graphs, every
-    # other step runs eagerly. "full_and_piecewise": prefill and mixed steps
-    # of up to piecewise_graph_sizes' largest token count also replay
-    # graphs of everything between attention calls (docs/startup.md).
-    cudagraph_mode: str = "full_decode_only"
+    # "full_and_piecewise" (the default, as in vLLM): decode batches replay
+    # whole-step graphs, and prefill and mixed steps of up to
+    # piecewise_graph_sizes' largest token count replay graphs of everything
+    # between attention calls (docs/startup.md); a short prompt's prefill
+    # is then several times faster (docs/benchmarks.md). "full_decode_only":
+    # only decode replays graphs, a shorter capture stage.
+    cudagraph_mode: str = "full_and_piecewise"
     # Token counts piecewise graphs are captured for; None: 8, 16, 32, 48,
     # ... 512 (each at most 1.5x the last), up to max_num_batched_tokens.
     piecewise_graph_sizes: list[int] | None = None

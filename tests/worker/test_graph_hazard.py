@@ -294,4 +294,5 @@ def test_soak_random_batches_never_grow_the_workspace(llama_path):
     assert stats["jit_compiles_after_ready"] == 0
     assert stats == {**twin.stats(), "workspace_bytes": stats["workspace_bytes"],
                      "workspace_growths": stats["workspace_growths"],
-                     "captured_graph_sizes": stats["captured_graph_sizes"]}  # fmt: skip
+                     "captured_graph_sizes": stats["captured_graph_sizes"],
+                     "piecewise_graph_sizes": stats["piecewise_graph_sizes"]}  # fmt: skip
