@@ -92,8 +92,8 @@ class EngineConfig:
     # Batch-invariant mode (docs/batch_invariance.md): a request's tokens and
     # logprobs are bitwise the same whatever else is in the batch, however
     # its prompt is chunked, cached or recomputed. On a GPU the Triton op set
-    # keeps it with CUDA graphs for the Llama family and DeepSeek-V2/V3 in
-    # bf16/fp16; elsewhere "auto" picks the torch op set, eager steps
+    # keeps it with CUDA graphs for the Llama family and DeepSeek-V2/V3/V4
+    # in bf16/fp16; elsewhere "auto" picks the torch op set, eager steps
     # (check_batch_invariant).
     batch_invariant: bool = False
     # Ranks the model is split over (tensor parallelism, docs/parallelism.md): this
@@ -261,14 +261,11 @@ class EngineConfig:
         if not getattr(model_class, "batch_invariant_ok", False):
             why = f"it does not cover {model_class.__name__} yet"
         elif backend == "triton" and not self._triton_invariant(hf_config, device):
-            why = (f"its Triton ops cover the Llama family and DeepSeek-V2/V3 in "
+            why = (f"its Triton ops cover the Llama family and DeepSeek-V2/V3/V4 in "
                    f"bfloat16/float16 on a GPU; use attention_backend='torch' for "
                    f"{model_class.__name__} here")  # fmt: skip
         elif backend == "torch" and self.graph_backend == "recording":
             why = "its torch ops need eager steps (graph_backend='auto')"
-        elif device == "cuda" and getattr(model_class, "batch_invariant_cpu_only", False):
-            why = (f"{model_class.__name__} runs each query row alone in this mode, which "
-                   "is too slow on a GPU to serve; use device='cpu' for now")  # fmt: skip
         if why:
             raise ValueError(f"EngineConfig.batch_invariant=True is not available here: {why}")
 

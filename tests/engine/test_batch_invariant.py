@@ -178,7 +178,8 @@ def test_where_the_mode_is_not_built_yet_it_says_so(tmp_path, architecture, conf
 @pytest.mark.parametrize(
     ("architecture", "dtype", "backend"),
     [("LlamaForCausalLM", "auto", "triton"), ("Qwen3ForCausalLM", "float16", "triton"),
-     ("LlamaForCausalLM", "float32", "torch"), ("DeepseekV3ForCausalLM", "auto", "triton")],
+     ("LlamaForCausalLM", "float32", "torch"), ("DeepseekV3ForCausalLM", "auto", "triton"),
+     ("DeepseekV4ForCausalLM", "auto", "triton"), ("DeepseekV4ForCausalLM", "float32", "torch")],
 )  # fmt: skip
 def test_auto_picks_the_invariant_triton_ops_where_they_cover_the_model(architecture, dtype,
                                                                         backend):  # fmt: skip
@@ -196,24 +197,15 @@ def test_auto_picks_the_invariant_triton_ops_where_they_cover_the_model(architec
 def test_triton_ops_asked_for_a_model_they_do_not_cover_are_refused():
     from tinyengine.config import EngineConfig
 
-    config = EngineConfig(model="unused", batch_invariant=True, attention_backend="triton")
+    # The invariant Triton ops take 16-bit weights only.
+    config = EngineConfig(model="unused", batch_invariant=True, attention_backend="triton",
+                          dtype="float32")  # fmt: skip
     with pytest.raises(ValueError, match="attention_backend='torch' for DeepseekV4ForCausalLM"):
         config.check_batch_invariant({"architectures": ["DeepseekV4ForCausalLM"]}, "cuda")
 
 
-def test_deepseek_v4_is_refused_on_a_gpu():
-    # Checked without one: the decision needs only the architecture and device.
-    from tinyengine.config import EngineConfig
-
-    config = EngineConfig(model="unused", batch_invariant=True)
-    with pytest.raises(ValueError, match="DeepseekV4ForCausalLM runs each query row alone"):
-        config.check_batch_invariant({"architectures": ["DeepseekV4ForCausalLM"]}, "cuda")
-    config.check_batch_invariant({"architectures": ["DeepseekV4ForCausalLM"]}, "cpu")
-    config.check_batch_invariant({"architectures": ["DeepseekV3ForCausalLM"]}, "cuda")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek-v3", "deepseek-v4"])
 def test_gpu_the_needle_is_bitwise_the_same_in_any_batch(name, tmp_path_factory):
     # The invariant Triton ops with CUDA graphs: a decode step alone replays
     # the 1-row graph, among 8 others the 16-row one, and enforce_eager runs

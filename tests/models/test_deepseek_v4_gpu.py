@@ -94,3 +94,40 @@ def test_v4_flash_proxy_starts_and_serves():
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     print(resolve_model("deepseek-v4-flash-proxy"), report.table())
+
+
+@pytest.mark.slow
+def test_v4_flash_proxy_in_the_seeds_configuration():
+    """The configuration the engine was born from: the 4-layer V4-Flash proxy
+    with batch_invariant=True, 256 sequences, full decode graphs and
+    piecewise graphs. It starts through every stage with the workspace
+    locked, serves 256 requests at once, and a needle request among them
+    gets the bits it gets alone."""
+    import random
+
+    llm = LLM("deepseek-v4-flash-proxy", batch_invariant=True, max_num_seqs=256,
+              max_model_len=1024, cudagraph_mode="full_and_piecewise")  # fmt: skip
+    report = llm.startup_report()
+    assert report.state == "ready" and llm.engine.runner.workspace.locked
+    assert report.captured_sizes[-1] == 256 and report.piecewise_sizes
+    assert report.workspace_growth_after_kv_sizing == 0
+    assert llm.engine.runner.ops.batch_invariant and llm.engine.runner.ops.name == "triton"
+    rng = random.Random(0)
+    needle = [rng.randrange(10, 120_000) for _ in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def needle_run(others: list[list[int]]) -> tuple:
+        prompts = others[:100] + [needle] + others[100:]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+        out = outs[min(100, len(others))].outputs[0]
+        return out.token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in out.logprobs]
+
+    alone = needle_run([])
+    others = [[rng.randrange(10, 120_000) for _ in range(rng.randrange(16, 400))]
+              for _ in range(255)]  # fmt: skip
+    assert needle_run(others) == alone
+    stats = llm.stats()
+    assert stats["batch_invariant"] is True and stats["jit_compiles_after_ready"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    print(report.table())

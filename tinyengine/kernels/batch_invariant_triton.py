@@ -36,7 +36,7 @@ steps stay CUDA-graph safe:
   - Norms, the RoPE prologue, the activation and the sampler's draw are
     already one program per row with tiles fixed by the model's widths.
 
-DeepSeek-V4 does not run this set yet (config.check_batch_invariant).
+  - DeepSeek-V4's ops: kernels/batch_invariant_v4_triton.py.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from tinyengine.kernels.activation.triton import silu_and_mul_op
 from tinyengine.kernels.attention.tiles import prefill_config
 from tinyengine.kernels.attention.triton import paged_output, prefill_attention
 from tinyengine.kernels.batch_invariant import by_row_blocks, head_matmul
+from tinyengine.kernels.batch_invariant_v4_triton import with_v4_triton_ops
 from tinyengine.kernels.gemm.triton import matmul
 from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
@@ -157,7 +158,8 @@ def mla_decode(
 
 def batch_invariant_triton_ops(base: Any) -> Any:
     """The Triton op set `base` (on a GPU) with its batch-dependent ops replaced."""
-    return dataclasses.replace(
+    ops = dataclasses.replace(
         base, linear=linear, linear_silu_mul=linear_silu_mul, paged_attention=paged_attention,
         mla_decode=mla_decode, head_matmul=head_matmul, row_blocks=by_row_blocks,
     )  # fmt: skip
+    return with_v4_triton_ops(ops)

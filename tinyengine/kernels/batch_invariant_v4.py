@@ -30,7 +30,7 @@ from tinyengine.kernels.sparse_attention import reference as sparse
 from tinyengine.kernels.sparse_attention.rows import query_rows
 
 
-def _decode_rows(attn: Any) -> Iterator[tuple[int, Any]]:
+def decode_rows(attn: Any) -> Iterator[tuple[int, Any]]:
     """(row, the metadata of that row alone as a decode row) for every query
     row of the step that is not padding."""
     rows = query_rows(attn)
@@ -59,7 +59,7 @@ def sparse_attention(
 ) -> torch.Tensor:  # fmt: skip
     """reference.sparse_attention, each row alone through its decode path."""
     out = torch.zeros_like(q)
-    for r, one in _decode_rows(attn):
+    for r, one in decode_rows(attn):
         picks = None if topk_indices is None else topk_indices[r : r + 1]
         out[r : r + 1] = sparse.sparse_attention(
             q[r : r + 1], kv_cache, one, window=window, sinks=sinks, scale=scale,
@@ -74,7 +74,7 @@ def indexer_topk(
 ) -> torch.Tensor:  # fmt: skip
     """reference.indexer_topk, each row alone through its decode path."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    for r, one in _decode_rows(attn):
+    for r, one in decode_rows(attn):
         out[r : r + 1] = indexer.indexer_topk(
             q[r : r + 1], weights[r : r + 1], key_cache, one, ratio=ratio, topk=topk,
             scale=scale, block_size=block_size,
@@ -90,7 +90,7 @@ def write_and_compress(
     window each row's token completes (its length a multiple of the ratio)
     alone through the decode path."""
     compressor.write_rows(state_cache, torch.cat([kv, gate], dim=-1), attn.slot_mapping)
-    for _, one in _decode_rows(attn):
+    for _, one in decode_rows(attn):
         if one.max_seq_len % kw["ratio"] == 0:
             compressor.compress_windows(state_cache, entry_cache, one, **kw)
 

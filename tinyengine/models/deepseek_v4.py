@@ -268,11 +268,10 @@ def checkpoint_to_param(name: str) -> tuple[str, Any]:
 
 class DeepseekV4ForCausalLM(CausalLM):
     # Every op with a batch-dependent result goes through the op set, per-token
-    # torch code through OpSet.per_token (kernels/batch_invariant.py).
-    # Its invariant ops take one query row at a time: a launch per op per row
-    # on a GPU, minutes for a short run, so the mode is refused there for now.
+    # torch code through OpSet.per_token (kernels/batch_invariant.py); on a
+    # GPU the invariant Triton set (kernels/batch_invariant_v4_triton.py).
     batch_invariant_ok = True
-    batch_invariant_cpu_only = True
+    batch_invariant_triton = True
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
 
     # load_model(expert_parallel=True): whole routed experts split over the

@@ -94,7 +94,8 @@ def _compress_kernel(
         # other threads of this program.
         tl.debug_barrier()
     p = tl.load(seq_lens_ptr + row) - 1
-    if (p + 1) % RATIO == 0:
+    # A row of length 0 (padding in the row model) closes no window.
+    if (p >= 0) & ((p + 1) % RATIO == 0):
         w = (p + 1) // RATIO - 1
         first = (w - 1) * RATIO if OVERLAP else w * RATIO
         table_row = table_ptr + row.to(tl.int64) * stride_tb
