@@ -43,7 +43,7 @@ def test_matmul_rejects_mismatched_operands():
 
 def test_tiles_cover_every_bucket():
     assert [tiles(m, 2)[:4] for m in (9, 64, 65, 512, 513)] == [
-        (64, 64, 128, 4), (64, 64, 128, 4), (128, 128, 64, 4), (128, 128, 64, 4), (128, 128, 64, 8)
+        (64, 64, 128, 4), (64, 64, 128, 4), (128, 128, 64, 4), (128, 128, 64, 4), (128, 256, 64, 8)
     ]  # fmt: skip
 
 
@@ -54,3 +54,16 @@ def test_matmul_on_the_gpu(dtype, m, n, k):
     x, w, b, ref = _problem(m, n, k, dtype, bias=True)
     out = matmul(x, w, b)
     torch.testing.assert_close(out.float(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_rows_bits_do_not_depend_on_the_kernel_or_the_batch(dtype):
+    """Rows computed inside 1100 rows (the persistent TMA kernel, large
+    tiles) equal the same rows computed alone, in small batches (the
+    pointer kernel) and in mid-sized ones (TMA, smaller tiles)."""
+    x, w, b, _ = _problem(1100, 1024, 4096, dtype, bias=True)
+    whole = matmul(x, w, b)
+    for rows in (slice(0, 1), slice(0, 9), slice(3, 67), slice(5, 70), slice(100, 300),
+                 slice(200, 800)):  # fmt: skip
+        assert torch.equal(matmul(x[rows], w, b), whole[rows]), rows
