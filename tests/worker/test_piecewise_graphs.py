@@ -276,9 +276,11 @@ def test_report_lists_both_kinds_and_large_steps_run_eagerly(tmp_path):
     assert runner.graphs.backend.num_replays == decode_before + GREEDY.max_tokens - 1
 
 
-def test_the_default_mode_captures_no_piecewise_graph(tmp_path):
+def test_piecewise_graphs_are_the_default_and_full_decode_only_turns_them_off(tmp_path):
     path = _model("llama", tmp_path)
     llm, _ = _generate(path, graph_backend="recording")
+    assert llm.startup_report().piecewise_sizes and llm.engine.runner.piecewise is not None
+    llm, _ = _generate(path, graph_backend="recording", cudagraph_mode="full_decode_only")
     assert llm.startup_report().piecewise_sizes == [] and llm.engine.runner.piecewise is None
 
 
