@@ -69,8 +69,9 @@ CONFIGS = {
     "async": {"async_scheduling": True, "max_num_seqs": 3},
     # The Triton op set (the interpreter on CPU): V4's sparse attention,
     # indexer, compressor and mHC kernels; profile also runs every
-    # graph-shaped decode size.
-    "triton": {"attention_backend": "triton", "max_num_seqs": 4},
+    # graph-shaped decode size. A 64-token budget keeps the interpreter's
+    # worst-case prefills (profile, warmup) short and chunks the prompts.
+    "triton": {"attention_backend": "triton", "max_num_seqs": 4, "max_num_batched_tokens": 64},
     "piecewise": PIECEWISE_CONFIG,  # graph chains with attention run between them
 }
 
