@@ -209,9 +209,10 @@ def test_triton_ops_asked_for_a_model_they_do_not_cover_are_refused():
 def test_gpu_the_needle_is_bitwise_the_same_in_any_batch(name, tmp_path_factory):
     # The invariant Triton ops with CUDA graphs: a decode step alone replays
     # the 1-row graph, among 8 others the 16-row one, and enforce_eager runs
-    # none (with piecewise graphs, prefill and mixed steps replay padded
-    # chains too); MLA's split kernel takes one split per row, the MoE its
-    # grouped GEMMs (kernels/batch_invariant_triton.py).
+    # none (with piecewise graphs, the default, prefill and mixed steps
+    # replay padded chains too; one case captures decode graphs only); MLA's
+    # split kernel takes one split per row, the MoE its grouped GEMMs
+    # (kernels/batch_invariant_triton.py).
     path = _build(name, tmp_path_factory.mktemp(name))
     # One block size for every engine here (for MLA it picks the tile path).
     gpu = dict(ENGINE, device="cuda", num_kv_blocks=512, max_num_seqs=64, block_size=16)
@@ -222,9 +223,9 @@ def test_gpu_the_needle_is_bitwise_the_same_in_any_batch(name, tmp_path_factory)
     alone = {p.seed: _needle(llm, [], p) for p in (GREEDY, SEEDED)}
     preempting = {"num_kv_blocks": 16, "max_num_seqs": 12}  # 256 tokens: it preempts
     del llm
-    piecewise = {"cudagraph_mode": "full_and_piecewise"}  # prefill chunks replay graphs too
+    decode_graphs_only = {"cudagraph_mode": "full_decode_only"}  # prefill chunks run eagerly
     cases = [({}, 8), ({"max_num_batched_tokens": 37}, 4), ({"enforce_eager": True}, 8),
-             (preempting, 12), ({}, 40), (piecewise, 8)]  # fmt: skip
+             (preempting, 12), ({}, 40), (decode_graphs_only, 8)]  # fmt: skip
     for seed, (config, num_others) in enumerate(cases):
         other = LLM(path, **{**gpu, **config})
         for params in (GREEDY, SEEDED):

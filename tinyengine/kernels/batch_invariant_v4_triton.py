@@ -17,8 +17,9 @@ a row's arithmetic:
     whether its window closes at a decode row or inside a prefill chunk.
     The Triton set computes a chunk's windows with the torch reference's
     loop; here every row of a chunk goes through the decode rows' kernel:
-    the step's state rows first (a copy), then one launch over every row
-    with its own sequence's table rows. Rows that close no window write
+    the step's state rows first (a copy), then one launch over every row,
+    each reading its own sequence's table rows through the row -> sequence
+    map (no per-row copy of the tables). Rows that close no window write
     nothing, as at decode.
   - The indexer (`indexer_topk`, unchanged): an entry's score is its key's
     product with the row's query in a tile of fixed shape (each output of a
@@ -66,10 +67,9 @@ def write_and_compress(
     if kv.shape[0] != rows.num_rows:
         raise ValueError(f"compressor: {rows.num_rows} query rows, kv has {kv.shape[0]}")
     write_rows(state_cache, torch.cat([kv, gate], dim=-1), attn.slot_mapping)
-    seqs = rows.seqs.long()
     compressor.compress_decode(
-        state_cache, entry_cache, rows.seq_lens, attn.block_tables[seqs],
-        entry_tables(attn)[seqs], **kw,
+        state_cache, entry_cache, rows.seq_lens, attn.block_tables, entry_tables(attn),
+        seqs=rows.seqs, **kw,
     )  # fmt: skip
 
 

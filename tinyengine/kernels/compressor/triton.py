@@ -65,7 +65,7 @@ _WRITE_BLOCK = 1024  # channels of the state row stored per step (fused write)
 
 @triton.jit
 def _compress_kernel(
-    state_ptr, entry_ptr, seq_lens_ptr, table_ptr, entry_table_ptr,
+    state_ptr, entry_ptr, seq_lens_ptr, seqs_ptr, table_ptr, entry_table_ptr,
     bias_ptr, weight_ptr, cos_sin_ptr, kv_ptr, gate_ptr, slots_ptr, eps,
     stride_sb, stride_ss, stride_eb, stride_er, stride_tb, stride_etb,
     stride_bias, stride_cs, stride_kv, stride_gate,
@@ -73,12 +73,17 @@ def _compress_kernel(
     DIM: tl.constexpr, C: tl.constexpr, SPAN: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_P: tl.constexpr, WRITE: tl.constexpr, WRITE_BLOCK: tl.constexpr,
+    HAS_SEQS: tl.constexpr,
 ):  # fmt: skip
     """Grid (rows,): row b's entry, if its token completes a window. With
     WRITE, first its token's state row [kv[b] | gate[b]] at slots[b]. A
     state row is [kv | gate], C channels each (2 * DIM with overlap); a
-    window SPAN slots (2 * RATIO with overlap)."""
+    window SPAN slots (2 * RATIO with overlap). Row b reads table rows
+    seqs[b] (HAS_SEQS) or b."""
     row = tl.program_id(0)
+    seq = row.to(tl.int64)
+    if HAS_SEQS:
+        seq = tl.load(seqs_ptr + row).to(tl.int64)
     if WRITE:
         slot = tl.load(slots_ptr + row)
         if slot >= 0:
@@ -98,7 +103,7 @@ def _compress_kernel(
     if (p >= 0) & ((p + 1) % RATIO == 0):
         w = (p + 1) // RATIO - 1
         first = (w - 1) * RATIO if OVERLAP else w * RATIO
-        table_row = table_ptr + row.to(tl.int64) * stride_tb
+        table_row = table_ptr + seq * stride_tb
         offs_p = tl.arange(0, BLOCK_P)
         offs_k = tl.arange(0, 2)
         chan = offs_p[:, None] * 2 + offs_k[None, :]  # [BLOCK_P, 2]
@@ -153,7 +158,7 @@ def _compress_kernel(
             (odd * cos + even * sin)[:, None],
         )
         last = (w + 1) * RATIO - 1
-        entry_row = entry_table_ptr + row.to(tl.int64) * stride_etb
+        entry_row = entry_table_ptr + seq * stride_etb
         entry_block = tl.load(entry_row + last // BLOCK_SIZE).to(tl.int64)
         dst = entry_ptr + entry_block * stride_eb + ((last % BLOCK_SIZE) // RATIO) * stride_er
         tl.store(dst + chan, out.to(entry_ptr.dtype.element_ty), mask=chan_ok)
@@ -228,13 +233,14 @@ def compress_decode(
     eps: float,
     cos_sin: torch.Tensor,
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    seqs: torch.Tensor | None = None,
     block_j: int | None = None,
 ) -> None:
     """The entries of n decode rows (row i: token at seq_lens[i] - 1, state
-    through tables[i], entries through entry_tables[i]), each written only
-    if the row completes its window. write=(kv, gate, slot_mapping), [n, C]
-    [n, C] [n]: first store each row's state there. block_j overrides the
-    slots per tile (tests)."""
+    through tables[j], entries through entry_tables[j], j = seqs[i], or i
+    without seqs), each written only if the row completes its window.
+    write=(kv, gate, slot_mapping), [n, C] [n, C] [n]: first store each
+    row's state there. block_j overrides the slots per tile (tests)."""
     n = seq_lens.shape[0]
     dim = entry_cache.shape[-1]
     width = 2 * dim if overlap else dim
@@ -258,12 +264,14 @@ def compress_decode(
     span = 2 * ratio if overlap else ratio
     block_j = block_j or max(1, min(triton.next_power_of_2(span), _TILE_VALUES // (2 * block_p)))
     _compress_kernel[(n,)](
-        state_cache, entry_cache, seq_lens, tables, entry_tables,
+        state_cache, entry_cache, seq_lens, seq_lens if seqs is None else seqs, tables,
+        entry_tables,
         position_bias, norm_weight, cos_sin, kv, gate, slots, eps,
         state_cache.stride(0), state_cache.stride(1), entry_cache.stride(0),
         entry_cache.stride(1), tables.stride(0), entry_tables.stride(0),
         position_bias.stride(0), cos_sin.stride(0), kv.stride(0), gate.stride(0),
         RATIO=ratio, OVERLAP=overlap, BLOCK_SIZE=state_cache.shape[1], DIM=dim, C=width,
         SPAN=span, ROPE_DIM=rope_dim, BLOCK_J=block_j, BLOCK_P=block_p, WRITE=write is not None,
-        WRITE_BLOCK=min(_WRITE_BLOCK, triton.next_power_of_2(width)), num_warps=_NUM_WARPS,
+        WRITE_BLOCK=min(_WRITE_BLOCK, triton.next_power_of_2(width)), HAS_SEQS=seqs is not None,
+        num_warps=_NUM_WARPS,
     )  # fmt: skip

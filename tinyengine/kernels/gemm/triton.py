@@ -152,7 +152,7 @@ def use_tma(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
     """The persistent TMA kernel for large M where descriptors can view the
     operands (Hopper and later; the interpreter runs descriptor loads too)."""
     if m < TMA_MIN_ROWS or not (
-        tma_ok(x, m, x.stride(0)) and tma_ok(weight, *weight.shape[:1], weight.stride(0))
+        tma_ok(x, m, x.stride(0)) and tma_ok(weight, weight.shape[0], weight.stride(0))
     ):
         return False
     return interpreting() or torch.cuda.get_device_capability(x.device)[0] >= 9
