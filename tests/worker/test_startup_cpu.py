@@ -132,6 +132,35 @@ def test_triton_on_cpu_keeps_the_full_startup(llama_path, calls):
     assert _in(calls, "profile").get("forward:16x1") == 1
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_triton_profile_runs_each_decode_size_a_step_can_have(llama_path, monkeypatch, eager):
+    """A decode batch that a graph fits is padded to that graph's size, so
+    profile runs the captured sizes and every size above the largest (each
+    eager batch runs at its own size); with nothing captured, every size.
+    Afterwards an eager batch above the largest graph grows nothing."""
+    sizes: list[int] = []
+    run_decode_shape = ModelRunner.run_decode_shape
+
+    def spy(self, size):
+        if self.workspace.stage == "profile":
+            sizes.append(size)
+        return run_decode_shape(self, size)
+
+    monkeypatch.setattr(ModelRunner, "run_decode_shape", spy)
+    llm = LLM(llama_path, max_model_len=32, max_num_seqs=5, max_num_batched_tokens=16,
+              attention_backend="triton", graph_backend="recording", cuda_graph_sizes=[1, 3],
+              enforce_eager=eager, print_startup_report=False)  # fmt: skip
+    assert llm.startup_report().captured_sizes == ([] if eager else [1, 3])
+    assert sorted(sizes) == ([1, 2, 3, 4, 5] if eager else [1, 3, 4, 5])
+    ws = llm.engine.runner.workspace
+    size = ws.size
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [3 + i] * 20} for i in range(5)], params,
+                        use_tqdm=False)  # fmt: skip
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2] * 5
+    assert ws.size == size
+
+
 def test_warmup_runs_every_piecewise_shape_before_any_capture(llama_path, monkeypatch):
     """A full startup (Triton ops on CPU): profile runs the largest piecewise
     step, warmup every one, and only then does capture record any graph."""

@@ -116,13 +116,17 @@ class StartupStages:
         params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logprobs=5)]
         runner.sampler(logits, params * rows, [None] * rows, [[] for _ in range(rows)])
         del hidden, logits
-        # 3. Graph-shaped decode batches. Split-KV scratch is not monotonic in the
-        #    batch size (a small batch splits the context more ways), so with the
-        #    Triton kernels every size an eager decode step may have is run, not
-        #    only the captured ones; max_model_len context is the worst for each.
-        sizes = set(runner.graph_sizes())
+        # 3. Every decode batch size a step can have. A decode batch that a
+        #    captured graph fits is padded to that graph's size, so below the
+        #    largest captured size only the captured sizes occur; above it (all
+        #    sizes when nothing is captured) a batch runs eagerly at its own
+        #    size. With the Triton kernels each of those is run, since split-KV
+        #    scratch is not monotonic in the batch size (a small batch splits
+        #    the context more ways); max_model_len context is the worst for each.
+        captured = runner.graph_sizes()
+        sizes = set(captured)
         if runner.ops.name == "triton":
-            sizes.update(range(1, cfg.max_num_seqs + 1))
+            sizes.update(range(max(captured, default=0) + 1, cfg.max_num_seqs + 1))
         for size in sorted(sizes):
             runner.run_decode_shape(size)
         decode_peak = _peak_since(device, mark)
