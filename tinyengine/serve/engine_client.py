@@ -19,6 +19,7 @@ LLMEngine is not thread-safe and belongs to the bridge's thread).
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -94,12 +95,20 @@ class Failure:
 class RequestStream:
     """The outputs of one HTTP request: one engine request per prompt, each
     output tagged with its prompt's index. Used only on the event loop: the
-    bridge `put`s events, the handler reads them."""
+    bridge `put`s events, the handler reads them.
+
+    Outputs are cumulative (each carries all of its prompt's tokens and text
+    so far), so a reader that fell behind reads only the newest output of
+    each prompt: it streams several tokens in one chunk instead of one chunk
+    per stale output, and catches up. A deque and one future stand in for an
+    asyncio.Queue: `put` runs once per prompt per engine step, on the loop
+    the HTTP handlers share with the engine thread's GIL."""
 
     def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None]) -> None:
         self.request_ids = request_ids
         self._abort = abort
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._events: deque[Any] = deque()
+        self._wakeup: asyncio.Future[None] | None = None  # set while the reader waits
         self._unfinished = set(range(len(request_ids)))
         self.done = False
 
@@ -107,11 +116,20 @@ class RequestStream:
         """The bridge's side: ACCEPTED, a Failure, or (prompt index, output)."""
         if isinstance(event, Failure):
             self.done = True  # the engine already removed every sub-request
-        self._queue.put_nowait(event)
+        self._events.append(event)
+        waiter, self._wakeup = self._wakeup, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._events:
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
 
     async def accepted(self) -> None:
         """Wait until the engine took the request; raise what it said otherwise."""
-        event = await self._queue.get()
+        await self._wait()
+        event = self._events.popleft()
         if isinstance(event, Failure):
             raise event.error
         if event is _ABORTED:
@@ -119,19 +137,30 @@ class RequestStream:
         assert event is ACCEPTED
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative RequestOutput) until every prompt finished.
-        Raises RequestFailedError if the engine failed the request; ends early
-        (no error) if the request was aborted."""
+        """(prompt index, cumulative RequestOutput) until every prompt finished,
+        the newest of each prompt's queued outputs only. Raises
+        RequestFailedError if the engine failed the request (after yielding
+        what came before the failure); ends early (no error) if the request
+        was aborted."""
         while self._unfinished:
-            event = await self._queue.get()
-            if isinstance(event, Failure):
-                raise event.error
-            if event is _ABORTED:
+            await self._wait()
+            newest: dict[int, RequestOutput] = {}
+            end: Any = None
+            while self._events:
+                event = self._events.popleft()
+                if isinstance(event, Failure) or event is _ABORTED:
+                    end = event
+                    break
+                index, output = event
+                newest[index] = output
+            for index, output in newest.items():
+                if output.finished:
+                    self._unfinished.discard(index)
+                yield index, output
+            if isinstance(end, Failure):
+                raise end.error
+            if end is _ABORTED:
                 return
-            index, output = event
-            if output.finished:
-                self._unfinished.discard(index)
-            yield index, output
         self.done = True
 
     def abort(self) -> None:
@@ -140,7 +169,7 @@ class RequestStream:
             return
         self.done = True
         self._abort(list(self.request_ids))
-        self._queue.put_nowait(_ABORTED)  # wakes a reader blocked on get()
+        self.put(_ABORTED)  # wakes a reader waiting for events
 
 
 class EngineClient(Protocol):
