@@ -49,7 +49,7 @@ import torch
 from tinyengine.kernels.activation.triton import silu_and_mul_op
 from tinyengine.kernels.attention.tiles import prefill_config
 from tinyengine.kernels.attention.triton import paged_output, prefill_attention
-from tinyengine.kernels.batch_invariant import by_row_blocks, head_matmul
+from tinyengine.kernels.batch_invariant import by_gpu_row_blocks, head_matmul
 from tinyengine.kernels.batch_invariant_v4_triton import with_v4_triton_ops
 from tinyengine.kernels.gemm.triton import matmul
 from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
@@ -160,6 +160,6 @@ def batch_invariant_triton_ops(base: Any) -> Any:
     """The Triton op set `base` (on a GPU) with its batch-dependent ops replaced."""
     ops = dataclasses.replace(
         base, linear=linear, linear_silu_mul=linear_silu_mul, paged_attention=paged_attention,
-        mla_decode=mla_decode, head_matmul=head_matmul, row_blocks=by_row_blocks,
+        mla_decode=mla_decode, head_matmul=head_matmul, row_blocks=by_gpu_row_blocks,
     )  # fmt: skip
     return with_v4_triton_ops(ops)
