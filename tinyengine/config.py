@@ -77,7 +77,8 @@ class EngineConfig:
     # only decode replays graphs, a shorter capture stage.
     cudagraph_mode: str = "full_and_piecewise"
     # Token counts piecewise graphs are captured for; None: 8, 16, 32, 48,
-    # ... 512 (each at most 1.5x the last), up to max_num_batched_tokens.
+    # ... 512 (each at most 1.5x the last), then every 256 up to 2048, up to
+    # max_num_batched_tokens.
     piecewise_graph_sizes: list[int] | None = None
     # Print the startup state machine's report (a small table) when READY.
     print_startup_report: bool = True

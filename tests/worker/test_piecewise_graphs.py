@@ -295,3 +295,17 @@ def test_piecewise_graphs_are_the_default_and_full_decode_only_turns_them_off(tm
 def test_bad_piecewise_settings_are_clear_errors(setting, message):
     with pytest.raises(ValueError, match=message):
         LLM("unused-model-name", **setting)
+
+
+def test_the_default_ladder_reaches_2048_tokens_with_bounded_padding():
+    """The default token counts cover a serving step of one long prompt plus
+    the running decodes (up to 2,048 tokens), and padding a step to the next
+    count never doubles it (past 512, adds at most a third)."""
+    from tinyengine.worker.piecewise_graphs import default_piecewise_sizes
+
+    sizes = default_piecewise_sizes(8192)
+    assert sizes[0] == 8 and sizes[-1] == 2048 and sizes == sorted(set(sizes))
+    for low, high in zip(sizes, sizes[1:], strict=False):
+        assert high <= 2 * low and (low < 512 or high - low <= 256), (low, high)
+    assert default_piecewise_sizes(1000) == [s for s in sizes if s <= 1000]
+    assert default_piecewise_sizes(1000)[-1] == 768
