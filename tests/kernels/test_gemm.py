@@ -67,3 +67,22 @@ def test_a_rows_bits_do_not_depend_on_the_kernel_or_the_batch(dtype):
     for rows in (slice(0, 1), slice(0, 9), slice(3, 67), slice(5, 70), slice(100, 300),
                  slice(200, 800)):  # fmt: skip
         assert torch.equal(matmul(x[rows], w, b), whole[rows]), rows
+
+
+@pytest.mark.gpu
+def test_a_new_row_count_compiles_nothing():
+    """Any row count reuses the variants its tile bucket compiled: the
+    persistent kernel's program count and M are not specialized on, so a
+    prefill chunk of a length warmup never ran compiles nothing."""
+    from tinyengine.kernels import jit_monitor
+
+    assert jit_monitor.install()
+    w = torch.randn(512, 1024, dtype=torch.bfloat16, device=DEVICE)
+    for m in (9, 16, 1, 96, 600):  # every variant: pointer kernel, both TMA buckets
+        matmul(torch.randn(m, 1024, dtype=torch.bfloat16, device=DEVICE), w)
+    before = jit_monitor.num_compiles()
+    for m in (65, 77, 130, 300, 511, 513, 700, 1001):
+        x = torch.randn(m, 1024, dtype=torch.bfloat16, device=DEVICE)
+        torch.testing.assert_close(matmul(x, w).float(), x.float() @ w.float().T,
+                                   rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])  # fmt: skip
+    assert jit_monitor.num_compiles() == before, jit_monitor.compiled_since(before)

@@ -88,14 +88,16 @@ def _matmul_kernel(
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))  # fmt: skip
 
 
-@triton.jit
+# M is not specialized on (its divisibility by 16 would be): a prefill chunk
+# of any length then reuses the variant warmup compiled.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
     x_desc, w_desc, b_ptr, out_ptr, M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Persistent: NUM_PROGRAMS programs (at most one per SM) walk the
+    """Persistent: NUM_PROGRAMS programs (one per SM) walk the
     output tiles in the same grouped order as _matmul_kernel, loading x and
     W tiles through TMA descriptors (a tile past K reads zeros, which add
     nothing). Each tile's K loop is the same chain of MMA steps in K order,
@@ -175,7 +177,10 @@ def matmul(
     block_m, block_n, block_k, warps, stages = tiles(m, x.element_size())
     num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if use_tma(x, weight, m):
-        programs = min(num_tiles, num_sms(x.device, off_gpu=4))
+        # One program per SM whatever the tile count: NUM_PROGRAMS is a
+        # compile-time constant, so a count that followed the tiles would
+        # compile a variant per tile count (programs past the last tile exit).
+        programs = num_sms(x.device, off_gpu=4)
         _matmul_tma_kernel[(programs,)](
             descriptor(x, m, x.stride(0), [block_m, block_k]),
             descriptor(weight, n, weight.stride(0), [block_n, block_k]),
