@@ -49,10 +49,11 @@ from tinyengine.worker.cuda_graphs import StaleGraphAddressError
 
 # Token counts captured by default (up to max_num_batched_tokens): up to 512
 # each at most 1.5x the one below (2x below 32), then every 256 up to 2048,
-# where padding adds at most a third to a step and soon much less. A step past the largest runs eagerly, and an eager forward's
-# host time (tens of ms for a small model) is what a serving step of one
-# prompt plus the running decodes would otherwise pay: a 600-1,100-token
-# step is the common case with prompts of up to 1,024 tokens.
+# where padding adds at most a third to a step and soon much less. A step
+# past the largest runs eagerly, and an eager forward's host time (tens of
+# ms for a small model) is what a serving step of one prompt plus the
+# running decodes would otherwise pay: a 600-1,100-token step is the common
+# case with prompts of up to 1,024 tokens.
 DEFAULT_PIECEWISE_SIZES = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                            768, 1024, 1280, 1536, 1792, 2048)  # fmt: skip
 
