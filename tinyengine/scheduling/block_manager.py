@@ -165,6 +165,12 @@ class BlockManager:
         blocks; the sliding blocks the request no longer needs are released
         either way.
         """
+        if not computed_blocks and self.window_pool is None:
+            # The common case, every running request every step: its blocks
+            # already cover the new tokens.
+            have = len(request.block_ids) * self.block_size
+            if request.num_computed_tokens + num_new_tokens <= have:
+                return True
         computed_blocks = computed_blocks or []
         assert not computed_blocks or not request.block_ids, "prefix hits only at admission"
         num_computed = max(request.num_computed_tokens, len(computed_blocks) * self.block_size)
@@ -243,13 +249,15 @@ class BlockManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks that are full and fully computed."""
+        if request.num_computed_tokens // self.block_size <= request.num_indexed_blocks:
+            return  # most decode steps: no block filled (this runs for every row)
         if not self.enable_prefix_caching:
             return
         # Only blocks whose tokens are all known: positions of in-flight tokens
         # count as computed but have no id to hash yet.
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= request.num_indexed_blocks:
-            return  # most decode steps: no block filled (this runs for every row)
+            return
         hashes = self._block_hashes(request, num_full)
         window = request.window_block_ids
         for j in range(request.num_indexed_blocks, num_full):

@@ -106,7 +106,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status._value_ in _FINISHED  # status.finished, one call fewer (hot)
 
     @property
     def finish_reason(self) -> str | None:
@@ -120,9 +120,10 @@ class Request:
         """Stop conditions that depend on token ids only (stop *strings* need
         text and are checked by the engine's detokenizer)."""
         params = self.sampling_params
+        num_output = len(self.output_token_ids)
         # A stop token wins over the length limit it may also reach (vLLM's
         # order): the sequence did end there.
-        if self.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             last = self.output_token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None  # eos: OpenAI's plain "stop", no reason string
@@ -130,7 +131,7 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens:
+        if num_output >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 

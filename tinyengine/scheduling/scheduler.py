@@ -43,13 +43,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request, RequestStatus
 from tinyengine.scheduling.waiting_queue import WaitingQueue
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # computes positions [start, start + num_new_tokens)
@@ -76,6 +77,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @cached_property
+    def is_decode(self) -> bool:
+        """Every scheduled request computes one token (asked once the plan is
+        complete, by several readers: computed once)."""
+        return all(s.num_new_tokens == 1 for s in self.scheduled)
 
 
 @dataclass
@@ -302,6 +309,8 @@ class Scheduler:
         A request preempted while the step ran still gets its token (it was
         sampled from the right context); one that finished meanwhile does not."""
         advanced: list[Request] = []
+        advance = self.block_manager.advance
+        running = RequestStatus.RUNNING
         for sched, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
             request = sched.request
             if sched.samples:
@@ -311,6 +320,6 @@ class Scheduler:
             if token_id is not None:
                 request.append_output_token(token_id)
                 advanced.append(request)
-            if request.status == RequestStatus.RUNNING:
-                self.block_manager.advance(request)
+            if request.status is running:
+                advance(request)
         return advanced

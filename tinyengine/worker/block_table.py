@@ -76,20 +76,26 @@ class HostBlockTable:
     def slots(self, requests: list[Request]) -> tuple[np.ndarray, int]:
         """Bring the scheduled requests' rows up to date; returns their slots
         (in order) and the widest row's length (at least 1)."""
-        out = np.empty(len(requests), dtype=np.int64)
+        slots: list[int] = []
         width = 1
-        for i, request in enumerate(requests):
-            slot = self._slot_of.get(request.request_id)
+        slot_of, rows, entry_rows = self._slot_of, self._rows, self._entry_rows
+        sources = rows.source
+        for request in requests:
+            slot = slot_of.get(request.request_id)
             if slot is None:
                 slot = self._assign(request.request_id)
-            ids = self.token_block_ids(request)
-            self._rows.update(slot, ids, self.null_block)
-            if self._entry_rows is not None:
-                self._entry_rows.update(slot, request.block_ids, self.null_block)
-            out[i] = slot
-            if len(ids) > width:
-                width = len(ids)
-        return out, width
+                sources = rows.source  # _assign may have grown the table
+            ids = request.window_block_ids if self.sliding else request.block_ids
+            n = len(ids)
+            source, copied = sources[slot]
+            if source is not ids or copied != n:  # most steps: unchanged
+                rows.update(slot, ids, self.null_block)
+            if entry_rows is not None:
+                entry_rows.update(slot, request.block_ids, self.null_block)
+            slots.append(slot)
+            if n > width:
+                width = n
+        return np.array(slots, dtype=np.int64), width
 
     def gather(self, slots: np.ndarray, width: int, pad_to: int, pad_block: int) -> np.ndarray:
         """The step's table [max(len(slots), pad_to), width]: the slots' rows,

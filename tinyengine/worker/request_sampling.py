@@ -40,10 +40,13 @@ class RequestSamplingState:
     def rows(self, requests: list[Request], vocab: int) -> SamplerRows:
         """The sampler's arguments for `requests` (the scheduler's Requests
         that sample this step, in row order)."""
+        params = [r.sampling_params for r in requests]
+        pairs = list(zip(requests, params, strict=True))
         return (
-            [r.sampling_params for r in requests],
-            [self._generator(r.request_id, r.sampling_params.seed) for r in requests],
-            [_banned_tokens(r) for r in requests],
+            params,
+            [None if p.seed is None else self._generator(r.request_id, p.seed) for r, p in pairs],
+            # Without min_tokens nothing is banned (_banned_tokens says so too).
+            [_banned_tokens(r) if p.min_tokens else [] for r, p in pairs],
             self._histories(requests, vocab),
         )
 

@@ -152,8 +152,7 @@ class ModelRunner:
         inflight = self.inflight.rows(waiting)
         scheduled = plan.scheduled
         sampling = [i for i, s in enumerate(scheduled) if s.samples]
-        is_decode = all(s.num_new_tokens == 1 for s in scheduled)
-        size = self.graphs.padded_size(len(scheduled)) if self.graphs and is_decode else None
+        size = self.graphs.padded_size(len(scheduled)) if self.graphs and plan.is_decode else None
         if size is not None:
             inputs = self._decode_inputs(size, rows)
             logits_rows = sampling  # one row per request

@@ -139,7 +139,7 @@ class StepProfiler:
         rows = plan.scheduled
         step = _Step(
             tuple(self._t),
-            all(s.num_new_tokens == 1 for s in rows),
+            plan.is_decode,
             len(rows),
             sum(s.num_new_tokens for s in rows),
             sum(s.start + s.num_new_tokens for s in rows),

@@ -33,18 +33,21 @@ def step_rows(
     table_rows = block_table.slots([s.request for s in scheduled])
     input_ids: list[int] = []
     inflight: list[tuple[int, str]] = []
-    if all(s.num_new_tokens == 1 for s in scheduled):
+    if plan.is_decode:
         # Decode: one position per row, so positions, slots and lengths are
         # array maths over the host block table (no per-row Python lists:
         # this runs for every row of every step).
+        starts: list[int] = []
         for i, sched in enumerate(scheduled):
+            start = sched.start
+            starts.append(start)
             tokens = sched.request.all_token_ids
-            if sched.start < len(tokens):
-                input_ids.append(tokens[sched.start])
+            if start < len(tokens):
+                input_ids.append(tokens[start])
             else:
                 inflight.append((i, sched.request.request_id))
                 input_ids.append(0)
-        positions = np.fromiter((s.start for s in scheduled), np.int64, len(scheduled))
+        positions = np.array(starts, dtype=np.int64)
         blocks = block_table.table[table_rows[0], positions // bs]
         slots = blocks.astype(np.int64) * bs + positions % bs
         return (input_ids, positions, slots, positions + 1, table_rows), inflight
