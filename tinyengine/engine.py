@@ -3,8 +3,9 @@
 Owns the life of a request from its arrival to its final output: a Request
 and its state on the way in (tokenization and the checks against the
 engine's limits are input_processor.py's); per step, scheduler -> runner ->
-scheduler update; then detokenization, stop checks and output building on the
-way out. One step reads top-down in `LLMEngine.step`.
+scheduler update; then detokenization and stop checks on the way out (the
+outputs of each kind are request_state.py's). One step reads top-down in
+`LLMEngine.step`.
 
 It is built from a startup machine run to READY (tinyengine/worker/startup.py):
 the runner comes from the machine's stages and the scheduler is made over the
@@ -18,7 +19,6 @@ import itertools
 import logging
 import sys
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any
 
 from tinyengine.config import EngineConfig
@@ -30,7 +30,8 @@ from tinyengine.input_processor import (
     tokenize_prompt,
 )
 from tinyengine.kernels import jit_monitor
-from tinyengine.outputs import CompletionOutput, Logprob, RequestOutput
+from tinyengine.outputs import Logprob, RequestOutput
+from tinyengine.request_state import RequestState
 from tinyengine.sampling_params import RequestOutputKind, SamplingParams
 from tinyengine.scheduling.block_manager import BlockManager
 from tinyengine.scheduling.request import Request, RequestStatus
@@ -40,22 +41,6 @@ from tinyengine.worker.startup import StartupMachine
 from tinyengine.worker.step_profile import StepProfiler
 
 logger = logging.getLogger("tinyengine.engine")
-
-
-@dataclass
-class _RequestState:
-    """What the engine keeps beside the scheduler's Request: text and logprobs."""
-
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are on
-    # Per prompt token (entry 0, the first token's, is None); filled as the
-    # prompt's chunks are computed (worker/prompt_logprobs.py).
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: one output, when finished
 
 
 class LLMEngine:
@@ -104,7 +89,7 @@ class LLMEngine:
         self._limits = RequestLimits(
             self.max_model_len, runner.vocab_size, cache_tokens, self.tokenizer is not None
         )
-        self.states: dict[str, _RequestState] = {}
+        self.states: dict[str, RequestState] = {}
         self._ids = itertools.count()
         # Asynchronous scheduling: the launched step whose tokens the next
         # step() call processes, as (plan, StepLaunch).
@@ -150,7 +135,7 @@ class LLMEngine:
         # incremental detokenizer when nobody streams this request's output.
         if self.tokenizer is not None and (params.stop or not final_only):
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        state = _RequestState(request, text, detok, final_only=final_only)
+        state = RequestState(request, text, detok, kind=params.output_kind)
         if params.logprobs is not None:
             state.logprobs = []
         if params.prompt_logprobs is not None:
@@ -170,8 +155,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one forward pass, and return an output for every
-        request that got a new token (cumulative text and token ids, as vLLM
-        does; FINAL_ONLY requests only when they finish).
+        request that got a new token (of its RequestOutputKind: cumulative
+        text and token ids, or only the new ones; FINAL_ONLY requests only
+        when they finish).
 
         With async_scheduling the tokens returned are those of the step
         launched by the *previous* call: this call schedules and launches the
@@ -284,10 +270,10 @@ class LLMEngine:
             self._process_token(state, token_id)
             if state.final_only and not state.request.is_finished:
                 continue  # nobody reads the intermediate outputs of this request
-            outputs.append(self._make_output(state))
+            outputs.append(state.make_output())
         return outputs
 
-    def _process_token(self, state: _RequestState, token_id: int) -> None:
+    def _process_token(self, state: RequestState, token_id: int) -> None:
         request = state.request
         status = request.check_token_stop()
         params = request.sampling_params
@@ -326,29 +312,6 @@ class LLMEngine:
                 text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
                 entries[token_id] = Logprob(logprob, rank, text)
         return entries
-
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        request = state.request
-        completion = CompletionOutput(
-            index=0,
-            text=state.text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.finish_reason,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            stop_reason=request.stop_reason,
-            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            prompt_logprobs=(
-                list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
-            ),
-        )
 
     def shutdown(self) -> None:
         """End what the engine started besides this thread: the other

@@ -18,13 +18,17 @@ class RequestOutputKind(Enum):
     """Which outputs `LLMEngine.step` returns for a request (vLLM's names).
 
     CUMULATIVE: one per new token, with all text and tokens so far (the
-    default; streaming reads it). FINAL_ONLY: only the finished output, which is
-    all `LLM.generate` needs; the engine then skips building an output per
-    token and, without stop strings, decodes the text once at the end instead
-    of incrementally (the same string: see the detokenizer's invariant).
+    default; streaming reads it). DELTA: one per new token, with only what
+    is new since the last one (text that may start a stop string is held
+    back until the next token decides; tinyengine/request_state.py).
+    FINAL_ONLY: only the finished output, which is all `LLM.generate` needs;
+    the engine then skips building an output per token and, without stop
+    strings, decodes the text once at the end instead of incrementally (the
+    same string: see the detokenizer's invariant).
     """
 
     CUMULATIVE = "cumulative"
+    DELTA = "delta"
     FINAL_ONLY = "final_only"
 
 

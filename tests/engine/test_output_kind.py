@@ -61,6 +61,70 @@ def test_final_only_matches_cumulative(llm, stop):
             assert len(cumulative[rid]) == 12  # one cumulative output per token
 
 
+@pytest.mark.parametrize("stop", [None, ["e"], [", 3", "e f"]])
+def test_delta_outputs_join_to_the_cumulative_ones(llm, stop):
+    """DELTA (vLLM's): one output per token with only what is new; joined
+    they are the CUMULATIVE output, token for token and character for
+    character. With stop strings no delta carries text a stop string later
+    cuts, and the last delta flushes what was held back."""
+    base = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, stop=stop, logprobs=2)
+    cumulative = _run(llm, base)
+    delta = _run(llm, dataclasses.replace(base, output_kind=RequestOutputKind.DELTA))
+    assert sorted(delta) == sorted(cumulative)
+    for rid, outs in delta.items():
+        full = cumulative[rid]
+        assert len(outs) == len(full) and [o.finished for o in outs] == [o.finished for o in full]
+        text, ids, logprobs = "", [], []
+        for d, c in zip(outs, full, strict=True):
+            got = d.outputs[0]
+            text, ids, logprobs = text + got.text, ids + got.token_ids, logprobs + got.logprobs
+            want = c.outputs[0]
+            assert ids == want.token_ids and logprobs == want.logprobs
+            assert full[-1].outputs[0].text.startswith(text)  # nothing sent is taken back
+            assert got.cumulative_logprob == want.cumulative_logprob
+            assert d.prompt_token_ids == c.prompt_token_ids
+        last, want = outs[-1].outputs[0], full[-1].outputs[0]
+        assert text == want.text and ids == want.token_ids
+        assert (last.finish_reason, last.stop_reason) == (want.finish_reason, want.stop_reason)
+
+
+def test_delta_holds_back_a_stop_strings_start(llm):
+    """Text that may be the start of a stop string stays back until the stop
+    string completes (and cuts it) or cannot: here the stop string is
+    everything the greedy run writes after its first two characters, so it
+    completes only with the last token, and no delta before the last may
+    carry more than those two characters."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    text = llm.generate(PROMPTS[2], greedy, use_tqdm=False)[0].outputs[0].text
+    assert len(text) >= 6
+    stop = text[2:]
+    params = dataclasses.replace(greedy, stop=[stop], output_kind=RequestOutputKind.DELTA)
+    engine = llm.engine
+    engine.add_request(PROMPTS[2], params, request_id="held")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 10 and outs[-1].outputs[0].finish_reason == "stop"
+    joined = ""
+    for out in outs:
+        joined += out.outputs[0].text
+        assert text[:2].startswith(joined), joined
+    assert joined == text[:2]
+
+
+def test_delta_prompt_logprobs_come_once(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], params, request_id="plp")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 3 and outs[0].prompt_logprobs is not None
+    assert len(outs[0].prompt_logprobs) == len(outs[0].prompt_token_ids)
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+
+
 def test_generate_leaves_callers_params_alone(llm):
     params = SamplingParams(temperature=0.0, max_tokens=4)
     (out,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
