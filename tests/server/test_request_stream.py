@@ -117,3 +117,24 @@ def test_abort_wakes_a_waiting_reader_and_aborts_once():
 
     assert asyncio.run(run()) == [1]
     assert aborted == [["e-0", "e-1"]]
+
+
+def test_a_reader_that_stopped_reading_holds_one_output_per_prompt():
+    """A client that does not read its socket stops its handler reading the
+    stream; the outputs the engine keeps putting replace each other instead
+    of piling up (each cumulative output holds all tokens so far)."""
+    import gc
+    import weakref
+
+    stream = RequestStream(["f"], lambda ids: None)
+    stream.put(ACCEPTED)
+    first = _output("f", [0])
+    stream.put((0, first))
+    gone = weakref.ref(first)
+    del first
+    for n in range(2, 200):
+        stream.put((0, _output("f", list(range(n)))))
+    gc.collect()
+    assert gone() is None
+    stream.put((0, _output("f", list(range(200)), finished=True)))
+    assert _collect(stream) == [(0, list(range(200)))]

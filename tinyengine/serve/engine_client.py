@@ -98,37 +98,47 @@ class RequestStream:
     bridge `put`s events, the handler reads them.
 
     Outputs are cumulative (each carries all of its prompt's tokens and text
-    so far), so a reader that fell behind reads only the newest output of
-    each prompt: it streams several tokens in one chunk instead of one chunk
-    per stale output, and catches up. A deque and one future stand in for an
-    asyncio.Queue: `put` runs once per prompt per engine step, on the loop
-    the HTTP handlers share with the engine thread's GIL."""
+    so far: the server asks for RequestOutputKind.CUMULATIVE), so only each
+    prompt's newest unread output is kept: a reader that fell behind sends
+    the tokens it missed in one chunk and catches up, and one that stopped
+    reading (a client that does not read its socket) holds one output per
+    prompt, not one per step. A dict, a deque of the other events and one
+    future stand in for an asyncio.Queue: `put` runs once per prompt per
+    engine step, on the loop the HTTP handlers share with the engine
+    thread's GIL."""
 
     def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None]) -> None:
         self.request_ids = request_ids
         self._abort = abort
-        self._events: deque[Any] = deque()
+        self._newest: dict[int, RequestOutput] = {}  # unread, by prompt index
+        self._events: deque[Any] = deque()  # ACCEPTED, a Failure, _ABORTED
         self._wakeup: asyncio.Future[None] | None = None  # set while the reader waits
         self._unfinished = set(range(len(request_ids)))
         self.done = False
 
     def put(self, event: Any) -> None:
         """The bridge's side: ACCEPTED, a Failure, or (prompt index, output)."""
-        if isinstance(event, Failure):
-            self.done = True  # the engine already removed every sub-request
-        self._events.append(event)
+        if isinstance(event, tuple):
+            index, output = event
+            self._newest[index] = output
+        else:
+            if isinstance(event, Failure):
+                self.done = True  # the engine already removed every sub-request
+            self._events.append(event)
         waiter, self._wakeup = self._wakeup, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def _wait(self) -> None:
-        while not self._events:
+        while not (self._newest or self._events):
             self._wakeup = asyncio.get_running_loop().create_future()
             await self._wakeup
 
     async def accepted(self) -> None:
         """Wait until the engine took the request; raise what it said otherwise."""
-        await self._wait()
+        while not self._events:
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
         event = self._events.popleft()
         if isinstance(event, Failure):
             raise event.error
@@ -138,29 +148,22 @@ class RequestStream:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative RequestOutput) until every prompt finished,
-        the newest of each prompt's queued outputs only. Raises
-        RequestFailedError if the engine failed the request (after yielding
-        what came before the failure); ends early (no error) if the request
-        was aborted."""
+        each prompt's newest unread output only. Raises RequestFailedError if
+        the engine failed the request (after yielding what came before the
+        failure); ends early (no error) if the request was aborted."""
         while self._unfinished:
             await self._wait()
-            newest: dict[int, RequestOutput] = {}
-            end: Any = None
-            while self._events:
-                event = self._events.popleft()
-                if isinstance(event, Failure) or event is _ABORTED:
-                    end = event
-                    break
-                index, output = event
-                newest[index] = output
+            newest, self._newest = self._newest, {}
             for index, output in newest.items():
                 if output.finished:
                     self._unfinished.discard(index)
                 yield index, output
-            if isinstance(end, Failure):
-                raise end.error
-            if end is _ABORTED:
-                return
+            if self._events:
+                event = self._events.popleft()
+                if isinstance(event, Failure):
+                    raise event.error
+                if event is _ABORTED:
+                    return
         self.done = True
 
     def abort(self) -> None:
