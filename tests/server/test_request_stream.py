@@ -1,6 +1,6 @@
 """RequestStream (serve/engine_client.py) on a real event loop: events in
-order, a reader that fell behind reads each prompt's newest cumulative
-output only, a failure still delivers what came before it, and an abort
+order, a reader that fell behind reads each prompt's unread DELTA outputs
+joined into one, a failure still delivers what came before it, and an abort
 wakes a waiting reader."""
 
 from __future__ import annotations
@@ -34,16 +34,27 @@ def _collect(stream: RequestStream) -> list[tuple[int, list[int]]]:
     return asyncio.run(read())
 
 
-def test_a_reader_behind_gets_each_prompts_newest_output():
+def test_a_reader_behind_gets_each_prompts_unread_deltas_joined():
     aborted: list[list[str]] = []
     stream = RequestStream(["a-0", "a-1"], aborted.append)
     stream.put(ACCEPTED)
-    for n in range(1, 4):  # three steps queued before the reader runs
-        stream.put((0, _output("a-0", list(range(n)))))
-        stream.put((1, _output("a-1", list(range(10, 10 + n)), finished=n == 3)))
-    stream.put((0, _output("a-0", [0, 1, 2, 3], finished=True)))
+    for n in range(3):  # three steps queued before the reader runs
+        stream.put((0, _output("a-0", [n])))
+        stream.put((1, _output("a-1", [10 + n], finished=n == 2)))
+    stream.put((0, _output("a-0", [3], finished=True)))
     assert _collect(stream) == [(0, [0, 1, 2, 3]), (1, [10, 11, 12])]
     assert stream.done and aborted == []
+
+
+def test_joined_deltas_keep_text_logprobs_and_the_last_state():
+    first, later = _output("g", [1, 2]), _output("g", [3], finished=True)
+    first.outputs[0].logprobs, later.outputs[0].logprobs = [{1: 1}, {2: 2}], [{3: 3}]
+    first.prompt_logprobs = [None, {5: 5}]
+    first.add(later)
+    c = first.outputs[0]
+    assert (c.text, c.token_ids, c.logprobs) == ("bcd", [1, 2, 3], [{1: 1}, {2: 2}, {3: 3}])
+    assert first.finished and c.finish_reason == "length"
+    assert first.prompt_logprobs == [None, {5: 5}]
 
 
 def test_a_reader_that_keeps_up_sees_every_output():
@@ -54,10 +65,10 @@ def test_a_reader_that_keeps_up_sees_every_output():
 
         async def engine() -> None:
             stream.put(ACCEPTED)
-            for n in range(1, 5):
+            for n in range(4):
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
-                stream.put((0, _output("b", list(range(n)), finished=n == 4)))
+                stream.put((0, _output("b", [n], finished=n == 3)))
 
         task = asyncio.ensure_future(engine())
         await stream.accepted()
@@ -66,7 +77,7 @@ def test_a_reader_that_keeps_up_sees_every_output():
         await task
         return seen
 
-    assert asyncio.run(run()) == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    assert asyncio.run(run()) == [[0], [1], [2], [3]]
 
 
 def test_a_failure_comes_after_the_outputs_before_it():
@@ -121,20 +132,21 @@ def test_abort_wakes_a_waiting_reader_and_aborts_once():
 
 def test_a_reader_that_stopped_reading_holds_one_output_per_prompt():
     """A client that does not read its socket stops its handler reading the
-    stream; the outputs the engine keeps putting replace each other instead
-    of piling up (each cumulative output holds all tokens so far)."""
+    stream; the outputs the engine keeps putting join the one unread output
+    instead of piling up one object per step."""
     import gc
     import weakref
 
     stream = RequestStream(["f"], lambda ids: None)
     stream.put(ACCEPTED)
-    first = _output("f", [0])
-    stream.put((0, first))
-    gone = weakref.ref(first)
-    del first
-    for n in range(2, 200):
-        stream.put((0, _output("f", list(range(n)))))
+    stream.put((0, _output("f", [0])))
+    second = _output("f", [1])
+    stream.put((0, second))
+    gone = weakref.ref(second)
+    del second
+    for n in range(2, 199):
+        stream.put((0, _output("f", [n])))
     gc.collect()
     assert gone() is None
-    stream.put((0, _output("f", list(range(200)), finished=True)))
+    stream.put((0, _output("f", [199], finished=True)))
     assert _collect(stream) == [(0, list(range(200)))]

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinyengine import models_presets
-from tinyengine.sampling_params import SamplingParams
+from tinyengine.sampling_params import RequestOutputKind, SamplingParams
 from tinyengine.serve.engine_client import (
     EngineNotReadyError,
     Health,
@@ -189,6 +189,10 @@ class AsyncLLMEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        # A stream carries DELTA outputs (engine_client.RequestStream): each
+        # step's costs the engine what is new, not a copy of everything so far.
+        per_prompt = [dataclasses.replace(p, output_kind=RequestOutputKind.DELTA)
+                      for p in per_prompt]  # fmt: skip
         if self._error is not None and self.ready:
             raise EngineNotReadyError(f"the engine can serve no more: {self._error}")
         if self._closing:

@@ -97,20 +97,20 @@ class RequestStream:
     output tagged with its prompt's index. Used only on the event loop: the
     bridge `put`s events, the handler reads them.
 
-    Outputs are cumulative (each carries all of its prompt's tokens and text
-    so far: the server asks for RequestOutputKind.CUMULATIVE), so only each
-    prompt's newest unread output is kept: a reader that fell behind sends
-    the tokens it missed in one chunk and catches up, and one that stopped
-    reading (a client that does not read its socket) holds one output per
-    prompt, not one per step. A dict, a deque of the other events and one
-    future stand in for an asyncio.Queue: `put` runs once per prompt per
-    engine step, on the loop the HTTP handlers share with the engine
-    thread's GIL."""
+    Outputs are DELTA outputs (each carries what is new since its prompt's
+    last one: AsyncLLMEngine.submit asks for RequestOutputKind.DELTA), and
+    the unread ones of a prompt are joined into one (RequestOutput.add): a
+    reader that fell behind sends the tokens it missed in one chunk and
+    catches up, and one that stopped reading (a client that does not read
+    its socket) holds one output per prompt, not one per step. A dict, a
+    deque of the other events and one future stand in for an asyncio.Queue:
+    `put` runs once per prompt per engine step, on the loop the HTTP
+    handlers share with the engine thread's GIL."""
 
     def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None]) -> None:
         self.request_ids = request_ids
         self._abort = abort
-        self._newest: dict[int, RequestOutput] = {}  # unread, by prompt index
+        self._unread: dict[int, RequestOutput] = {}  # unread, by prompt index
         self._events: deque[Any] = deque()  # ACCEPTED, a Failure, _ABORTED
         self._wakeup: asyncio.Future[None] | None = None  # set while the reader waits
         self._unfinished = set(range(len(request_ids)))
@@ -120,7 +120,11 @@ class RequestStream:
         """The bridge's side: ACCEPTED, a Failure, or (prompt index, output)."""
         if isinstance(event, tuple):
             index, output = event
-            self._newest[index] = output
+            unread = self._unread.get(index)
+            if unread is None:
+                self._unread[index] = output
+            else:
+                unread.add(output)
         else:
             if isinstance(event, Failure):
                 self.done = True  # the engine already removed every sub-request
@@ -130,7 +134,7 @@ class RequestStream:
             waiter.set_result(None)
 
     async def _wait(self) -> None:
-        while not (self._newest or self._events):
+        while not (self._unread or self._events):
             self._wakeup = asyncio.get_running_loop().create_future()
             await self._wakeup
 
@@ -147,14 +151,14 @@ class RequestStream:
         assert event is ACCEPTED
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative RequestOutput) until every prompt finished,
-        each prompt's newest unread output only. Raises RequestFailedError if
+        """(prompt index, DELTA RequestOutput) until every prompt finished, a
+        prompt's unread outputs joined into one. Raises RequestFailedError if
         the engine failed the request (after yielding what came before the
         failure); ends early (no error) if the request was aborted."""
         while self._unfinished:
             await self._wait()
-            newest, self._newest = self._newest, {}
-            for index, output in newest.items():
+            unread, self._unread = self._unread, {}
+            for index, output in unread.items():
                 if output.finished:
                     self._unfinished.discard(index)
                 yield index, output

@@ -6,9 +6,9 @@ engine, then either gather the final outputs into one response or stream
 deltas as server-sent events. While it waits, it watches the connection: a
 client that goes away has its request aborted, which frees its KV blocks.
 
-Streaming never sends text that a later token could turn into a stop string
-(the engine cuts stop strings out of the final text; we hold back, per
-`stop_string_holdback`, whatever could still become one).
+The engine sends DELTA outputs (what is new since a choice's last output),
+so a stream sends each as it comes; the engine itself holds back text that a
+later token could still turn into a stop string (request_state.py).
 
 Must never: reach past the EngineClient interface (engine_client.py), or
 leave a request in the engine once its response is over, however it ended.
@@ -24,7 +24,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tinyengine.detokenizer import stop_string_holdback
 from tinyengine.outputs import RequestOutput
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.serve import responses as R
@@ -200,16 +199,20 @@ async def _generate(
             headers={"Cache-Control": "no-cache"},
         )
     try:
+        # The stream's outputs are deltas: each choice's first one, extended
+        # in place by the rest, ends as the whole of it.
         finals: dict[int, RequestOutput] = {}
         async for index, output in rs.outputs():
-            if output.finished:
+            if index in finals:
+                finals[index].add(output)
+            else:
                 finals[index] = output
     except RequestFailedError as e:
         raise APIError(500, str(e), "internal_server_error") from e
     finally:
         watcher.cancel()
         rs.abort()  # a no-op when everything finished
-    if len(finals) < len(choices):  # aborted
+    if len(finals) < len(choices) or not all(o.finished for o in finals.values()):  # aborted
         return _client_gone()
     ordered = [finals[i] for i in range(len(choices))]
     if job.chat:
@@ -250,14 +253,9 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = R.now()
     chat = job.chat
-    params = job.params
-    # With include_stop_str_in_output the stop string is part of the answer and
-    # nothing needs holding back.
-    stops = [] if params.include_stop_str_in_output else list(params.stop or [])
-    sent_chars = [0] * num_choices
-    sent_tokens = [0] * num_choices
+    num_tokens = [0] * num_choices  # completion tokens so far, per choice (usage)
     token_text_end = [0] * num_choices  # where the next token's text starts (logprobs)
-    finals: dict[int, RequestOutput] = {}
+    finished: dict[int, RequestOutput] = {}
 
     def emit(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         return R.sse(
@@ -281,36 +279,32 @@ async def _stream(
                     )  # fmt: skip
                     token_text_end[index] = head["text_offset"][-1] + len(head["tokens"][-1])
                 yield emit([R.chunk_choice(False, index, job.echo[index // job.n], head)])
-            text = c.text
-            end = len(text) if c.finished else len(text) - stop_string_holdback(text, stops)
-            delta = text[sent_chars[index] : end] if end > sent_chars[index] else ""
+            # A delta: the engine held back any text a stop string may still cut.
+            delta = c.text
+            num_tokens[index] += len(c.token_ids)
             logprobs = None
             if job.num_logprobs is not None and c.logprobs is not None:
-                new_ids = c.token_ids[sent_tokens[index] :]
-                new_entries = c.logprobs[sent_tokens[index] :]
                 logprobs = (
-                    R.chat_logprobs(new_ids, new_entries, job.num_logprobs)
+                    R.chat_logprobs(c.token_ids, c.logprobs, job.num_logprobs)
                     if chat
                     else R.completion_logprobs(
-                        new_ids, new_entries, job.num_logprobs, token_text_end[index]
+                        c.token_ids, c.logprobs, job.num_logprobs, token_text_end[index]
                     )
                 )
                 if not chat and logprobs["tokens"]:
                     token_text_end[index] = logprobs["text_offset"][-1] + len(
                         logprobs["tokens"][-1]
                     )
-            sent_tokens[index] = len(c.token_ids)
             if not (delta or c.finished or logprobs):
                 continue
-            sent_chars[index] += len(delta)
             # The closing chat chunk carries an empty delta ({}), as OpenAI's does.
             content = None if chat and c.finished and not delta else delta
             yield emit([R.chunk_choice(chat, index, content, logprobs, c.finish_reason)])
             if c.finished:
-                finals[index] = output
-        if job.include_usage and len(finals) == num_choices:
-            ordered = [finals[i] for i in range(num_choices)]
-            yield emit([], R.usage(ordered, job.n))
+                finished[index] = output
+        if job.include_usage and len(finished) == num_choices:
+            prompts = [len(finished[i].prompt_token_ids) for i in range(0, num_choices, job.n)]
+            yield emit([], R.usage_of(sum(prompts), sum(num_tokens)))
         yield R.SSE_DONE
     except RequestFailedError as e:
         # Headers went out long ago: the error travels as an event, as in vLLM.

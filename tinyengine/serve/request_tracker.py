@@ -78,7 +78,7 @@ class RequestTracker:
         if live.first_token is None:
             live.first_token = now
             self.metrics.record_first_token(now - live.arrival)
-        live.num_output_tokens = len(output.outputs[0].token_ids)
+        live.num_output_tokens += len(output.outputs[0].token_ids)  # a DELTA output
         self._outbox.append((live.stream, (live.index, output)))
         if output.finished:
             del self._live[output.request_id]

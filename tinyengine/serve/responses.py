@@ -39,13 +39,16 @@ SSE_DONE = sse("[DONE]")
 
 def usage(outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, int]:
     """Token counts of a response whose choices are n per prompt (in prompt
-    order): each prompt counts once, as OpenAI and vLLM count it."""
+    order, each whole): each prompt counts once, as OpenAI and vLLM count it."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return usage_of(prompt, sum(len(o.outputs[0].token_ids) for o in outputs))
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
