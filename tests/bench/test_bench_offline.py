@@ -119,6 +119,11 @@ def test_startup_report(tiny_folder: str, tmp_path: Path, capsys) -> None:
     assert names == ["load", "profile", "size_kv", "warmup", "capture", "lock"]
     assert data["wall_s"] >= data["stages_s"] > 0
     assert report["num_kv_blocks"] > 0 and data["kv_cache_bytes"] > 0
+    # The torch op set on the CPU compiles no Triton kernel; the totals are
+    # the stages' own figures summed.
+    assert "Triton kernel variants" in printed
+    assert data["triton_kernels"] == sum(s["kernels"] for s in report["stages"]) == 0
+    assert data["triton_compile_s"] == sum(s["compile_seconds"] for s in report["stages"])
 
 
 def test_wrong_output_length_fails_loudly() -> None:

@@ -256,6 +256,45 @@ def test_workspace_growth_after_kv_sizing_is_reported():
     assert {s.name: s.workspace_growths for s in report.stages}["warmup"] == 1
 
 
+class _Times:
+    """The part of Triton's CompileTimes the listener reads (microseconds)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+
+def test_triton_kernels_and_compile_seconds_are_reported_per_stage(caplog):
+    """Each stage's record counts the kernel variants built or loaded during
+    it and the seconds of those the on-disk cache missed; the log line says
+    so. (The counters are process-wide: the machine takes differences.)"""
+    from tinyengine.kernels import jit_monitor
+
+    class Compiling(FakeStages):
+        def profile(self) -> ProfileResult:
+            for total_us, hit in ((1_500_000, False), (500_000, False), (9_000_000, True)):
+                jit_monitor._on_compile(repr="k")
+                jit_monitor._on_listen(times=_Times(total_us), cache_hit=hit)
+            return super().profile()
+
+        def warmup(self, num_kv_blocks: int) -> None:
+            jit_monitor._on_compile(repr="k")
+            jit_monitor._on_listen(times=_Times(250_000), cache_hit=False)
+            super().warmup(num_kv_blocks)
+
+    with caplog.at_level(logging.INFO, logger="tinyengine.startup"):
+        report = StartupMachine(Compiling()).run_all()
+    by_name = {s.name: s for s in report.stages}
+    assert by_name["profile"].kernels == 3
+    assert by_name["profile"].compile_seconds == pytest.approx(2.0)  # the hit costs nothing
+    assert by_name["warmup"].kernels == 1
+    assert by_name["warmup"].compile_seconds == pytest.approx(0.25)
+    for name in ("load", "size_kv", "capture", "lock"):
+        assert by_name[name].kernels == 0 and by_name[name].compile_seconds == 0.0
+    assert "compile s" in report.table()
+    done = [r.getMessage() for r in caplog.records if "profile: done" in r.getMessage()]
+    assert done and "3 Triton kernels (2.0 s compiling)" in done[0]
+
+
 def test_capture_returning_none_is_recorded_as_skipped():
     report = StartupMachine(FakeStages(capture_sizes=None)).run_all()
     assert report.state == "ready"

@@ -64,6 +64,8 @@ def _run(args: argparse.Namespace) -> int:
         dtype=str(runner.dtype).replace("torch.", ""),
         wall_s=wall,
         stages_s=sum(s.seconds for s in report.stages),
+        triton_kernels=sum(s.kernels for s in report.stages),
+        triton_compile_s=sum(s.compile_seconds for s in report.stages),
         kv_cache_bytes=report.num_kv_blocks * runner.kv_bytes_per_block() + sliding,
         # Capacity: the tokens of context the cache can keep resident, and
         # what each costs (the full-history group's bytes; a sliding group,
@@ -91,6 +93,8 @@ def _run(args: argparse.Namespace) -> int:
         ("Resident context tokens:", result["resident_tokens"]),
         ("KV bytes per resident token:", result["bytes_per_resident_token"]),
         ("Graphs captured:", len(report.captured_sizes)),
+        ("Triton kernel variants:", result["triton_kernels"]),
+        ("Triton compiling, cache misses (s):", result["triton_compile_s"]),
     ]
     if sliding:
         rows += [

@@ -1,8 +1,18 @@
-"""Counts Triton JIT compilations in this process.
+"""Counts Triton JIT compilations in this process, and the time they take.
 
-Owns one process-wide counter fed by Triton's post-compile hook. The engine
-reads it at READY and later: a kernel compiled after startup is a cold-start
-bug (a shape class that warmup missed), visible as `jit_compiles_after_ready`.
+Owns process-wide counters fed by two Triton hooks:
+
+  * the JIT's post-compile hook, once per kernel variant this process
+    builds or loads (a new specialization: new constexprs, dtypes or
+    argument alignments), from Triton's on-disk cache or not. The engine
+    reads it at READY and later: a kernel compiled after startup is a
+    cold-start bug (a shape class that warmup missed), visible as
+    `jit_compiles_after_ready`.
+  * the compiler's listener (Triton >= 3.4), once per compile call with
+    its duration and whether the on-disk cache had it: the seconds spent
+    compiling for real, which is where an empty-cache start goes. The
+    startup report shows both per stage (worker/startup.py).
+
 Never changes what Triton compiles; it only counts.
 """
 
@@ -13,6 +23,8 @@ from typing import Any
 _count = 0
 _installed = False
 _names: list[str] = []  # what compiled, in order (Triton's repr: kernel and specialization)
+_misses = 0  # compile calls the on-disk cache did not have (listener)
+_compile_us = 0  # their durations summed, in microseconds (listener)
 
 
 def _on_compile(*args: Any, **kwargs: Any) -> None:
@@ -21,9 +33,17 @@ def _on_compile(*args: Any, **kwargs: Any) -> None:
     _names.append(str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?")))
 
 
+def _on_listen(*, times: Any, cache_hit: bool, **kwargs: Any) -> None:
+    global _misses, _compile_us
+    if not cache_hit:
+        _misses += 1
+        _compile_us += int(times.total)
+
+
 def install() -> bool:
     """Hook into Triton (idempotent). Returns False when Triton or its hook
-    API is unavailable, in which case the count stays 0."""
+    API is unavailable, in which case the counts stay 0. A Triton without
+    the compiler listener still counts variants; its compile time stays 0."""
     global _installed
     if _installed:
         return True
@@ -38,12 +58,27 @@ def install() -> bool:
         return previous(*args, **kwargs) if previous is not None else None
 
     knobs.runtime.jit_post_compile_hook = hook
+    compilation = getattr(knobs, "compilation", None)
+    if compilation is not None and hasattr(compilation, "listener"):
+        previous_listener = compilation.listener
+
+        def listener(**kwargs: Any) -> None:
+            _on_listen(**kwargs)
+            if previous_listener is not None:
+                previous_listener(**kwargs)
+
+        compilation.listener = listener
     _installed = True
     return True
 
 
 def num_compiles() -> int:
     return _count
+
+
+def compile_totals() -> tuple[int, float]:
+    """(compile calls that missed the on-disk cache, seconds they took)."""
+    return _misses, _compile_us / 1e6
 
 
 def compiled_since(count: int) -> list[str]:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from tinyengine.config import EngineConfig
+from tinyengine.kernels import jit_monitor
 from tinyengine.worker.stages import StartupStages
 
 # One line as each stage begins and one as it ends (seconds, what it decided),
@@ -114,6 +115,11 @@ class StageRecord:
     workspace_growths: int  # growths during this stage
     skipped: bool = False
     note: str = ""
+    # Triton kernel variants this stage built or loaded in this process (on
+    # rank 0 with several ranks), and the seconds spent compiling those the
+    # on-disk cache did not have (kernels/jit_monitor.py; 0 without Triton).
+    kernels: int = 0
+    compile_seconds: float = 0.0
 
 
 @dataclass
@@ -138,14 +144,14 @@ class StartupReport:
         mib = 2**20
         lines = [
             f"{'stage':<9} {'seconds':>8} {'mem before':>11} {'mem after':>10} "
-            f"{'workspace':>10} {'growths':>7}  note",
+            f"{'workspace':>10} {'growths':>7} {'kernels':>7} {'compile s':>9}  note",
         ]
         for s in self.stages:
             note = "skipped: " + s.note if s.skipped else s.note
             lines.append(
                 f"{s.name:<9} {s.seconds:>8.3f} {s.memory_before / mib:>8.1f}MiB "
                 f"{s.memory_after / mib:>7.1f}MiB {s.workspace_bytes / mib:>7.2f}MiB "
-                f"{s.workspace_growths:>7}  {note}"
+                f"{s.workspace_growths:>7} {s.kernels:>7} {s.compile_seconds:>9.2f}  {note}"
             )
         lines.append(
             f"state={self.state} kv_blocks={self.num_kv_blocks} "
@@ -261,6 +267,8 @@ class StartupMachine:
         stages.set_stage(name)
         growths_before = stages.workspace_growths()
         memory_before = stages.memory_in_use()
+        kernels_before = jit_monitor.num_compiles()
+        compile_before = jit_monitor.compile_totals()[1]
         step = f"startup [{list(TRANSITIONS).index(name) + 1}/{len(TRANSITIONS)}] {name}"
         log.info("%s: started", step)
         start = time.perf_counter()
@@ -294,6 +302,8 @@ class StartupMachine:
                 workspace_growths=stages.workspace_growths() - growths_before,
                 skipped=skipped,
                 note=stages.capture_skip_reason if skipped else result or "",
+                kernels=jit_monitor.num_compiles() - kernels_before,
+                compile_seconds=jit_monitor.compile_totals()[1] - compile_before,
             )
         )
         self.state = reached
@@ -302,21 +312,26 @@ class StartupMachine:
         log.info("%s: done in %.2f s%s", step, self.report.stages[-1].seconds, self._decided(name))
 
     def _decided(self, name: str) -> str:
-        """What the stage just recorded decided, for its log line."""
+        """What the stage just recorded decided, for its log line, and the
+        Triton kernels it compiled, if any."""
         record, report = self.report.stages[-1], self.report
         if name == "size_kv":
-            return f"; {report.num_kv_blocks} KV blocks"
-        if name == "capture":
-            if record.skipped:
-                return f"; graphs skipped: {record.note}"
-            return (f"; captured {len(report.captured_sizes)} decode graphs, sizes "
+            text = f"; {report.num_kv_blocks} KV blocks"
+        elif name == "capture" and record.skipped:
+            text = f"; graphs skipped: {record.note}"
+        elif name == "capture":
+            text = (f"; captured {len(report.captured_sizes)} decode graphs, sizes "
                     f"{report.captured_sizes}; piecewise token counts "
                     f"{report.piecewise_sizes or 'none'}")  # fmt: skip
-        if name == "lock":
+        elif name == "lock":
             total = sum(s.seconds for s in report.stages)
-            return (
+            text = (
                 f"; workspace locked at {record.workspace_bytes / 2**20:.1f} MiB, "
                 f"growth after KV sizing {report.workspace_growth_after_kv_sizing} B; "
                 f"READY after {total:.2f} s"
             )
-        return f"; {record.note}" if record.note else ""
+        else:
+            text = f"; {record.note}" if record.note else ""
+        if record.kernels:
+            text += f"; {record.kernels} Triton kernels ({record.compile_seconds:.1f} s compiling)"
+        return text
