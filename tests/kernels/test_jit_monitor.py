@@ -26,3 +26,12 @@ def test_the_compiler_listener_counts_cache_misses_and_their_time():
     after_misses, after_seconds = jit_monitor.compile_totals()
     assert after_misses == misses + 1
     assert after_seconds - seconds == pytest.approx(0.525)
+
+
+def test_a_listener_call_it_cannot_read_is_ignored():
+    """Counting must never break a compile: odd calls change nothing."""
+    before = jit_monitor.compile_totals()
+    jit_monitor._on_listen()
+    jit_monitor._on_listen(times=None, cache_hit=False)
+    jit_monitor._on_listen(times=object(), cache_hit=False)
+    assert jit_monitor.compile_totals() == before

@@ -33,11 +33,17 @@ def _on_compile(*args: Any, **kwargs: Any) -> None:
     _names.append(str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?")))
 
 
-def _on_listen(*, times: Any, cache_hit: bool, **kwargs: Any) -> None:
+def _on_listen(*args: Any, **kwargs: Any) -> None:
+    """Triton's compiler listener: (src, metadata, metadata_group, times,
+    cache_hit), by keyword in the Triton releases seen so far. A call this
+    cannot read is ignored: counting must never break a compile."""
     global _misses, _compile_us
-    if not cache_hit:
+    times = kwargs.get("times", args[3] if len(args) > 3 else None)
+    cache_hit = kwargs.get("cache_hit", args[4] if len(args) > 4 else True)
+    total = getattr(times, "total", None)
+    if not cache_hit and isinstance(total, (int, float)):
         _misses += 1
-        _compile_us += int(times.total)
+        _compile_us += int(total)
 
 
 def install() -> bool:
@@ -62,10 +68,10 @@ def install() -> bool:
     if compilation is not None and hasattr(compilation, "listener"):
         previous_listener = compilation.listener
 
-        def listener(**kwargs: Any) -> None:
-            _on_listen(**kwargs)
+        def listener(*args: Any, **kwargs: Any) -> None:
+            _on_listen(*args, **kwargs)
             if previous_listener is not None:
-                previous_listener(**kwargs)
+                previous_listener(*args, **kwargs)
 
         compilation.listener = listener
     _installed = True
