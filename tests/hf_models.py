@@ -70,6 +70,11 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3-rope-yarn": ("qwen3", {"rope_parameters": YARN_ROPE}),
+    # One KV head, a head size that is no power of two, every optional bias.
+    "llama-mqa-bias": (
+        "llama",
+        {"num_key_value_heads": 1, "head_dim": 24, "attention_bias": True, "mlp_bias": True},
+    ),
 }
 
 

@@ -49,6 +49,32 @@ def test_chunks_and_decode_steps_match_hf(tiny, model, block_size):
     torch.testing.assert_close(torch.cat(got), ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # Four residual streams, no hash-routed layer, other ratios and window.
+        dict(hc_mult=4, num_hash_layers=0, compress_rate_csa=2, compress_rate_hca=16,
+             sliding_window=16, index_topk=8),
+        # One stream (mHC reduces to a plain residual), two sliding layers first.
+        dict(hc_mult=1, layer_types=["sliding_attention", "sliding_attention",
+                                     "compressed_sparse_attention",
+                                     "heavily_compressed_attention"]),
+    ],
+    ids=["hc4-ratios-2-16", "hc1-two-sliding"],
+)  # fmt: skip
+def test_other_configurations_match_hf(tmp_path, overrides):
+    """Shapes of V4 the tiny model above does not have, prefill in unaligned
+    chunks then decode steps."""
+    path = make_tiny_v4(tmp_path, **overrides)
+    ids = _tokens(50, 5)
+    ref = hf_logits(path, ids)
+    harness = PagedHarness(load_tiny(path), block_size=16, num_blocks=64)
+    cuts = [0, 7, 19, 33]
+    got = [harness.step({0: ids[a:b]})[0] for a, b in zip(cuts, cuts[1:], strict=False)]
+    got += [harness.step({0: [t]})[0] for t in ids[33:]]
+    torch.testing.assert_close(torch.cat(got), ref, atol=TOL, rtol=0)
+
+
 def test_mixed_batch_with_padding(tiny, model):
     """A decode row, a whole prompt and a chunk after a prefix in one step,
     plus padding rows; then both sequences decode together."""
