@@ -193,6 +193,35 @@ def test_warmup_runs_every_piecewise_shape_before_any_capture(llama_path, monkey
     assert report.piecewise_sizes == [8, 16] and report.workspace_growth_after_kv_sizing == 0
 
 
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full_decode_only"])
+def test_warmup_leaves_a_prefill_length_to_its_piecewise_shape(llama_path, calls, mode):
+    """Warmup's one-sequence prefill per power-of-two length (2, 4, 8, 16
+    here) skips the lengths a piecewise shape runs as the same forward; with
+    no piecewise graphs it runs them all."""
+    from tinyengine.worker import warmup
+
+    pieces: list[int] = []
+    run_shape = warmup.run_piecewise_shape
+
+    def spy(runner, size):
+        pieces.append(size)
+        return run_shape(runner, size)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warmup, "run_piecewise_shape", spy)
+        LLM(llama_path, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
+            attention_backend="triton", graph_backend="recording", cuda_graph_sizes=[1, 2],
+            cudagraph_mode=mode, piecewise_graph_sizes=[8, 16],
+            print_startup_report=False)  # fmt: skip
+    prefills = {what for what in _in(calls, "warmup") if what.endswith("x1")}
+    if mode == "full_and_piecewise":
+        assert pieces == [8, 16]
+        assert prefills == {"forward:2x1", "forward:4x1"}
+    else:
+        assert pieces == []
+        assert prefills == {"forward:2x1", "forward:4x1", "forward:8x1", "forward:16x1"}
+
+
 def test_smollm2_ready_within_bound_on_cpu(smollm2_path, caplog):
     """`LLM(smollm2)` with its defaults (max_model_len 8192, 16 sequences,
     a 512-token step budget) on CPU: READY within READY_BOUND_S, and every

@@ -94,12 +94,17 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
 
     # Triton picks its prefill tile by the step's longest query, so one
     # prefill per power-of-two query length compiles every tile class now
-    # rather than on some user's first request after startup.
+    # rather than on some user's first request after startup. A length that
+    # a piecewise shape below runs as one sequence is left to it: the same
+    # forward over the same inputs (worker/graph_capture.py's piecewise_rows).
+    pieces = set() if light else set(runner.piecewise_graph_sizes())
     if runner.ops.name == "triton":
         longest = min(cfg.max_num_batched_tokens, runner.max_model_len - 1)
         q_len = 2
         while q_len < 2 * longest:
-            runner.dummy_forward([min(q_len, longest)])
+            q = min(q_len, longest)
+            if q not in pieces:
+                runner.dummy_forward([q])
             q_len *= 2
         # Kernels that pick tiles by the step's token count (the fused MoE's
         # size classes) name the counts to run; a class may start beyond
@@ -121,7 +126,7 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
     if not light:
         for size in runner.graph_sizes():
             runner.run_decode_shape(size)
-        for size in runner.piecewise_graph_sizes():
+        for size in sorted(pieces):
             run_piecewise_shape(runner, size)
 
     runner.zero_kv_cache()
