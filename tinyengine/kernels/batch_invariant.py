@@ -30,8 +30,9 @@ one order whatever the batch.
     KEYS-key blocks, the per-head projections row-blocked; models/mla.py
     sends prefill tokens through this decode form too in this mode.
   - MoE (`fused_moe`): each expert's rows ROWS at a time, a token's experts
-    summed in expert order; `row_blocks` lets the router run its per-token
-    code on row blocks as well.
+    summed in expert order. `row_blocks` (OpSet.per_token) runs the model's
+    own per-token torch code, the routers' and V4's hyper-connection mixes,
+    one row at a time (by_single_rows says why not ROWS).
 
 The guarantee holds on one device and one build (library, thread count):
 it is about the batch, not about machines. It costs the padding (a decode
@@ -61,6 +62,16 @@ def by_row_blocks(fn: Callable[..., Any], *rows: torch.Tensor, **kwargs: Any) ->
     ROWS and cut into blocks; fn's results (a tensor or a tuple of them, row
     for row) are joined and trimmed back."""
     return _blocks_of(ROWS, fn, rows, kwargs)
+
+
+def by_single_rows(fn: Callable[..., Any], *rows: torch.Tensor, **kwargs: Any) -> Any:
+    """fn one row at a time: the CPU set's OpSet.per_token, for model code
+    that calls torch directly (hyper-connection mixes, routers). Their
+    matmuls can have very few outputs (a V4 head's mixes: hc_mult), and for
+    those MKL rounds a row by its index inside an [8, K] call (seen with 2
+    and 3 outputs, K <= 128, on an AVX-512 machine), which a fixed block
+    shape does not pin down; a [1, K] call has no index."""
+    return _blocks_of(1, fn, rows, kwargs)
 
 
 def by_gpu_row_blocks(fn: Callable[..., Any], *rows: torch.Tensor, **kwargs: Any) -> Any:
@@ -273,6 +284,6 @@ def batch_invariant_ops(base: Any) -> Any:
         mla_decode=mla_decode,
         head_matmul=head_matmul,
         fused_moe=fused_moe,
-        row_blocks=by_row_blocks,
+        row_blocks=by_single_rows,
     )
     return with_v4_ops(ops)
