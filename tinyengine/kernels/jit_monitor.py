@@ -23,8 +23,7 @@ from typing import Any
 _count = 0
 _installed = False
 _names: list[str] = []  # what compiled, in order (Triton's repr: kernel and specialization)
-_misses = 0  # compile calls the on-disk cache did not have (listener)
-_compile_us = 0  # their durations summed, in microseconds (listener)
+_compile_us = 0  # compiles the on-disk cache did not have, summed, in microseconds (listener)
 
 
 def _on_compile(*args: Any, **kwargs: Any) -> None:
@@ -37,12 +36,11 @@ def _on_listen(*args: Any, **kwargs: Any) -> None:
     """Triton's compiler listener: (src, metadata, metadata_group, times,
     cache_hit), by keyword in the Triton releases seen so far. A call this
     cannot read is ignored: counting must never break a compile."""
-    global _misses, _compile_us
+    global _compile_us
     times = kwargs.get("times", args[3] if len(args) > 3 else None)
     cache_hit = kwargs.get("cache_hit", args[4] if len(args) > 4 else True)
     total = getattr(times, "total", None)
     if not cache_hit and isinstance(total, (int, float)):
-        _misses += 1
         _compile_us += int(total)
 
 
@@ -82,9 +80,9 @@ def num_compiles() -> int:
     return _count
 
 
-def compile_totals() -> tuple[int, float]:
-    """(compile calls that missed the on-disk cache, seconds they took)."""
-    return _misses, _compile_us / 1e6
+def compile_seconds() -> float:
+    """Seconds spent compiling what the on-disk cache did not have."""
+    return _compile_us / 1e6
 
 
 def compiled_since(count: int) -> list[str]:

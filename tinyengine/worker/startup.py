@@ -268,7 +268,7 @@ class StartupMachine:
         growths_before = stages.workspace_growths()
         memory_before = stages.memory_in_use()
         kernels_before = jit_monitor.num_compiles()
-        compile_before = jit_monitor.compile_totals()[1]
+        compile_before = jit_monitor.compile_seconds()
         step = f"startup [{list(TRANSITIONS).index(name) + 1}/{len(TRANSITIONS)}] {name}"
         log.info("%s: started", step)
         start = time.perf_counter()
@@ -303,7 +303,7 @@ class StartupMachine:
                 skipped=skipped,
                 note=stages.capture_skip_reason if skipped else result or "",
                 kernels=jit_monitor.num_compiles() - kernels_before,
-                compile_seconds=jit_monitor.compile_totals()[1] - compile_before,
+                compile_seconds=jit_monitor.compile_seconds() - compile_before,
             )
         )
         self.state = reached
