@@ -44,6 +44,21 @@ def test_decode_without_workspace_and_public_op() -> None:
     check_against_torch_reference(b, full)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_writes_every_row_of_one_token_sequences(num_splits: int) -> None:
+    # paged_attention leaves its output uninitialized for a batch of T
+    # one-token sequences (a decode graph pads with one-token sequences of
+    # length 1): the kernels must write every row, padding rows included.
+    b = Batch([1, 1, 1, 1], [9, 30, 1, 1], num_q_heads=4, num_kv_heads=2, head_dim_k=32,
+              head_dim_v=32, block_size=8, dtype=torch.float32)  # fmt: skip
+    out = torch.full_like(b.empty_out(), float("nan"))
+    ta.decode_attention(b.q, b.k_cache, b.v_cache, out, *b.args()[3:], max_seq_len=30,
+                        num_splits=num_splits, block_n=16)  # fmt: skip
+    assert not out.isnan().any()
+    assert_close(out, b.dense_reference(), torch.float32)
+    assert ta.paged_output(b.q, b.v_cache, None, every_row_written=False).eq(0).all()
+
+
 def test_decode_dk_differs_from_dv() -> None:
     b = Batch([1, 1], [40, 9], num_q_heads=2, num_kv_heads=2, head_dim_k=192, head_dim_v=128,
               block_size=8, dtype=torch.float16)  # fmt: skip

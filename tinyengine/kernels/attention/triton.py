@@ -211,7 +211,11 @@ def paged_attention(
     the whole output starts as zeros.
     """
     del seq_lens_cpu  # kernels read the device lengths; the host list is for the reference
-    out = paged_output(q, v_cache, query_start_loc_cpu)
+    # A decode batch with one row per sequence (a decode graph's padding rows
+    # are one-token sequences too) has every row written by the decode
+    # kernels, so its output needs no zeroing: one fill kernel a layer less.
+    every_row = max_query_len == 1 and q.shape[0] == query_start_loc.shape[0] - 1
+    out = paged_output(q, v_cache, query_start_loc_cpu, every_row_written=every_row)
     if max_query_len == 1:
         decode_attention(
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
@@ -226,12 +230,20 @@ def paged_attention(
 
 
 def paged_output(
-    q: torch.Tensor, v_cache: torch.Tensor, query_start_loc_cpu: list[int] | None
+    q: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc_cpu: list[int] | None,
+    *,
+    every_row_written: bool = False,
 ) -> torch.Tensor:
     """paged_attention's output [T, Hq, Dv]: rows past query_start_loc[-1]
     zeroed (only that tail when the host list is given, before any kernel
-    runs, so a stale list can never erase a real row), else all zeros."""
+    runs, so a stale list can never erase a real row), else all zeros; left
+    uninitialized when the caller's kernels write every row
+    (`every_row_written`: T one-token sequences, max_query_len 1)."""
     shape = (q.shape[0], q.shape[1], v_cache.shape[3])
+    if every_row_written:
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
     if not query_start_loc_cpu:
         return torch.zeros(shape, dtype=q.dtype, device=q.device)
     out = torch.empty(shape, dtype=q.dtype, device=q.device)
