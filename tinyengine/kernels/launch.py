@@ -2,7 +2,8 @@
 interpreter runs the kernels, the device's SM count, and the matmul precision
 and log2 constant that the attention, MLA and MoE kernels share.
 
-Owns the reading of TRITON_INTERPRET inside the engine (nothing else in
+Also owns whether kernels launch with programmatic dependent launch
+(`programmatic_launch`). Owns the reading of TRITON_INTERPRET inside the engine (nothing else in
 tinyengine/kernels reads it). Must never import triton itself: the op-set
 chooser imports this module before it decides whether triton may be loaded.
 """
@@ -33,6 +34,31 @@ def num_sms(device: torch.device, *, off_gpu: int) -> int:
     if device.type != "cuda":
         return off_gpu
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Programmatic dependent launch (PDL) for the kernels of a decode step.
+# Module state, not an EngineConfig field: it changes no result, only how
+# kernels overlap; tests and benchmarks flip it to compare the two.
+PDL_ENABLED = True
+
+
+@functools.lru_cache(maxsize=16)
+def _pdl_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Launch with programmatic dependent launch on `device`? Hopper and
+    newer GPUs let a kernel launched this way start while the kernel before
+    it on the stream still runs (CUDA graphs keep the overlap as a
+    programmatic edge). A kernel launched so must call `gdc_wait()` in every
+    program before it reads anything an earlier kernel wrote or stores
+    anything (what it does before that wait may only read data no kernel of
+    the step writes: weights), and calls `gdc_launch_dependents()` after the
+    wait so the next kernel can start early (after, not before: a chain of
+    early starts would fill the SMs with waiting programs). Off under the
+    interpreter and before Hopper."""
+    return PDL_ENABLED and device.type == "cuda" and not interpreting() and _pdl_capable(device)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

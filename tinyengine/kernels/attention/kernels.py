@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tinyengine.kernels.device_fn import device_fn
 
@@ -185,7 +186,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
-    OFFS_32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OFFS_32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). One program: the GROUP query
     heads of one KV head (rows of a [BLOCK_G, D] tile, so each K/V tile is
@@ -272,10 +273,14 @@ def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
     num_splits, stride_ot, stride_oh,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (num_seqs, Hq): out = sum_s w_s * part_s / sum_s w_s with
     w_s = 2^(lse_s - max lse). Splits with lse = -inf (past the sequence end)
     get weight 0 and their (unwritten) partial is never loaded."""
+    if USE_PDL:  # kernels/launch.py
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)

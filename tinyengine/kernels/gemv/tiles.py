@@ -37,6 +37,12 @@ MN_CONFIG = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4, use_d
 # for 2 <= M <= 8 (those must have use_dot=True); e.g.
 # {(1, 4096, 14336): GemvConfig(4, 1024, 4, 3, False)}. Overrides are used as-is.
 SHAPE_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# M == 1 with K up to this: one K step per program (BLOCK_K = next power of
+# two >= K) of ONE_STEP_ELEMS weight elements, so a program's whole weight
+# slice is requested at once; under programmatic dependent launch those loads
+# go out before the kernel waits for the one before it (gemv/triton.py).
+ONE_STEP_MAX_K = 4096
+ONE_STEP_ELEMS = 8192
 # Halve BLOCK_N (down to the minimum below) until there are at least this many
 # programs per SM, so small-N shapes still fill the GPU.
 MIN_PROGRAMS_PER_SM = 2
@@ -49,6 +55,11 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     cfg = SHAPE_CONFIGS.get((1 if m == 1 else 8, n, k))
     if cfg is None:
         cfg = M1_CONFIG if m == 1 else MN_CONFIG
+        if m == 1 and k <= ONE_STEP_MAX_K:
+            bk = triton.next_power_of_2(k)
+            cfg = dataclasses.replace(
+                cfg, block_n=max(MIN_BLOCK_N_FMA, ONE_STEP_ELEMS // bk), block_k=bk, num_stages=1
+            )
         min_bn = MIN_BLOCK_N_DOT if cfg.use_dot else MIN_BLOCK_N_FMA
         bn = cfg.block_n
         while bn > min_bn and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:

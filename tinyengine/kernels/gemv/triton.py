@@ -40,9 +40,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tinyengine.kernels.device_fn import device_fn
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
-from tinyengine.kernels.launch import interpreting, num_sms
+from tinyengine.kernels.launch import interpreting, num_sms, programmatic_launch
 
 MAX_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: tests only
@@ -104,6 +106,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+@device_fn
+def _fma_step(acc2, w, xk, REDUCE_EACH_STEP: tl.constexpr):
+    """One K step of the FMA loop: fp32 products of a weight tile
+    [BLOCK_N, BLOCK_K] and an x chunk [BLOCK_K] into the accumulator."""
+    prod = w.to(tl.float32) * xk.to(tl.float32)[None, :]
+    if REDUCE_EACH_STEP:
+        return acc2 + tl.sum(prod, axis=1, keep_dims=True)
+    return acc2 + prod
+
+
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
@@ -113,7 +125,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
     LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    FUSE_SILU_MUL: tl.constexpr = False,
+    FUSE_SILU_MUL: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (cdiv(N, BLOCK_N),): program p computes out[:, p*BLOCK_N : +BLOCK_N]
     over the whole K. Rows past N are wrapped (not masked) so weight loads stay
@@ -125,7 +137,14 @@ def _skinny_gemm_kernel(
     (tile row 2i + 1) for the program's BLOCK_N // 2 output columns j, so the
     K loop is the plain one, unchanged. Each half is rounded to the output
     dtype (after the bias, as the plain store does) before the activation,
-    which is computed and rounded exactly as kernels/activation/ does."""
+    which is computed and rounded exactly as kernels/activation/ does.
+
+    USE_PDL (a programmatic dependent launch, kernels/launch.py): the program
+    may start while the kernel before it still runs. It loads its first K
+    step of the weight (never written by a step's kernels) at once, then waits
+    for the previous kernel with gdc_wait before it touches x or stores, and
+    lets the next kernel start. With a one-step tile (K <= BLOCK_K) the whole
+    weight slice is in flight before the wait."""
     pid = tl.program_id(0)
     if FUSE_SILU_MUL:
         offs_r = tl.arange(0, BLOCK_N)
@@ -149,6 +168,9 @@ def _skinny_gemm_kernel(
     m_mask = offs_m[:, None] < M
 
     if USE_DOT:
+        if USE_PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
             if EVEN_K:
@@ -174,9 +196,26 @@ def _skinny_gemm_kernel(
         else:
             acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         x_row = x_ptr + offs_k
+        k_first = 0
+        if USE_PDL:  # the first step peeled: its weight loads go out before the wait
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                k_mask = offs_k < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            gdc_wait()
+            gdc_launch_dependents()
+            if EVEN_K:
+                xk = tl.load(x_row)
+            else:
+                xk = tl.load(x_row, mask=k_mask, other=0.0)
+            acc2 = _fma_step(acc2, w, xk, REDUCE_EACH_STEP)
+            w_ptrs += BLOCK_K
+            x_row += BLOCK_K
+            k_first = BLOCK_K
         # The FMA loop is software-pipelined (cp.async into shared memory) only
         # when asked explicitly: LOOP_STAGES == 1 keeps plain register loads.
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+        for k0 in tl.range(k_first, K, BLOCK_K, num_stages=LOOP_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
                 xk = tl.load(x_row)
@@ -184,11 +223,7 @@ def _skinny_gemm_kernel(
                 k_mask = (k0 + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
                 xk = tl.load(x_row, mask=k_mask, other=0.0)
-            prod = w.to(tl.float32) * xk.to(tl.float32)[None, :]
-            if REDUCE_EACH_STEP:
-                acc2 += tl.sum(prod, axis=1, keep_dims=True)
-            else:
-                acc2 += prod
+            acc2 = _fma_step(acc2, w, xk, REDUCE_EACH_STEP)
             w_ptrs += BLOCK_K
             x_row += BLOCK_K
         res = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
@@ -274,6 +309,7 @@ def _launch(
     block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
     cols = block_n // 2 if fuse_silu_mul else block_n  # output columns per program
     grid = (triton.cdiv(n, cols),)
+    pdl = programmatic_launch(x.device)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         m, n, k,
@@ -283,6 +319,6 @@ def _launch(
         USE_DOT=use_dot, REDUCE_EACH_STEP=cfg.reduce_each_step and not use_dot,
         LOOP_STAGES=cfg.num_stages, UPCAST=interpreting(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
-        FUSE_SILU_MUL=fuse_silu_mul,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FUSE_SILU_MUL=fuse_silu_mul, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tinyengine.kernels.launch import programmatic_launch
 from tinyengine.kernels.norm.reference import rms_norm_torch
 
 
@@ -21,12 +23,18 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (rows,): one row of `hidden` elements per program, held in registers."""
+    """Grid (rows,): one row of `hidden` elements per program, held in
+    registers. USE_PDL (kernels/launch.py): the norm weight is loaded before
+    waiting for the previous kernel, everything else after."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
@@ -34,7 +42,6 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)  # HF rounds before the weight
     tl.store(
         out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
@@ -66,10 +73,12 @@ def rms_norm_triton(
         block = triton.next_power_of_2(hidden)
         # 8 elements (16 bytes of bf16) per thread: one vector load each.
         num_warps = max(1, min(16, block // 256))
+        pdl = programmatic_launch(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, res_out2,
             x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
+            num_warps=num_warps, launch_pdl=pdl,
         )  # fmt: skip
     return out if res_out is None else (out, res_out)
 
