@@ -3,9 +3,10 @@ interpreter runs the kernels, the device's SM count, and the matmul precision
 and log2 constant that the attention, MLA and MoE kernels share.
 
 Also owns whether kernels launch with programmatic dependent launch
-(`programmatic_launch`). Owns the reading of TRITON_INTERPRET inside the engine (nothing else in
-tinyengine/kernels reads it). Must never import triton itself: the op-set
-chooser imports this module before it decides whether triton may be loaded.
+(`programmatic_launch`), and the reading of TRITON_INTERPRET inside the
+engine (nothing else in tinyengine/kernels reads it). Must never import
+triton itself: the op-set chooser imports this module before it decides
+whether triton may be loaded.
 """
 
 from __future__ import annotations
