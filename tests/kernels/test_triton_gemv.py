@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 import tinyengine.kernels.gemv.tiles as gemv_tiles
 import tinyengine.kernels.gemv.triton as gemv
@@ -115,6 +116,33 @@ def test_pick_config_host_only() -> None:
                 gemv_tiles.MIN_BLOCK_N_DOT if cfg.use_dot else gemv_tiles.MIN_BLOCK_N_FMA
             ):
                 assert -(-n // cfg.block_n) >= gemv_tiles.MIN_PROGRAMS_PER_SM * 132
+
+
+def test_one_row_with_short_k_gets_a_one_step_tile() -> None:
+    """M == 1 and K <= ONE_STEP_MAX_K: the whole row width in one K step (no
+    loop), at most ONE_STEP_ELEMS weight elements a program; longer K keeps
+    the pipelined loop, and more rows the MMA config."""
+    for n, k in [(4096, 1024), (6144, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (37, 100)]:
+        cfg = pick_config(1, n, k, 132)
+        assert not cfg.use_dot and cfg.num_stages == 1
+        assert cfg.block_k >= k and cfg.block_k == triton.next_power_of_2(k)
+        assert cfg.block_n * cfg.block_k <= max(
+            gemv_tiles.ONE_STEP_ELEMS, gemv_tiles.MIN_BLOCK_N_FMA * cfg.block_k
+        )
+        assert pick_config(2, n, k, 132).use_dot
+    cfg = pick_config(1, 4096, 14336, 132)
+    assert cfg.block_k < 14336 and cfg == gemv_tiles.M1_CONFIG
+
+
+def test_programmatic_launch_never_off_the_gpu() -> None:
+    """The interpreter and CPU tensors never launch with PDL (the interpreter
+    has no gdc_wait); the module switch turns it off everywhere."""
+    from tinyengine.kernels import launch
+
+    assert not launch.programmatic_launch(torch.device("cpu"))
+    if torch.cuda.is_available():
+        want = torch.cuda.get_device_capability()[0] >= 9 and not launch.interpreting()
+        assert launch.programmatic_launch(torch.device("cuda")) == want
 
 
 # --- dispatch ------------------------------------------------------------------
