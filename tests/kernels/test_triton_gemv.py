@@ -145,6 +145,30 @@ def test_programmatic_launch_never_off_the_gpu() -> None:
         assert launch.programmatic_launch(torch.device("cuda")) == want
 
 
+def test_triton_without_pdl_launches_without_it(monkeypatch) -> None:
+    """Before Triton 3.4 there is no gdc_wait: kernels/gdc.py then gives None
+    for the names (only dead USE_PDL branches mention them), and no launch
+    asks for PDL or passes `launch_pdl`, which such a Triton would refuse."""
+    import importlib
+    import sys
+
+    from tinyengine.kernels import gdc, launch
+
+    had_pdl = gdc.AVAILABLE
+    monkeypatch.setitem(sys.modules, "triton.language.extra.cuda", None)  # import fails
+    old = importlib.reload(gdc)
+    try:
+        assert not old.AVAILABLE and old.gdc_wait is None and old.gdc_launch_dependents is None
+        monkeypatch.setattr(launch, "interpreting", lambda: False)
+        monkeypatch.setattr(launch, "_pdl_capable", lambda device: True)  # a Hopper, say
+        assert not launch.programmatic_launch(torch.device("cuda"))
+        assert launch.pdl_kwargs(torch.device("cuda")) == {}
+    finally:
+        monkeypatch.undo()
+        importlib.reload(gdc)
+    assert gdc.AVAILABLE == had_pdl and (gdc.gdc_wait is not None) == had_pdl
+
+
 # --- dispatch ------------------------------------------------------------------
 
 

@@ -58,8 +58,27 @@ def programmatic_launch(device: torch.device) -> bool:
     the step writes: weights), and calls `gdc_launch_dependents()` after the
     wait so the next kernel can start early (after, not before: a chain of
     early starts would fill the SMs with waiting programs). Off under the
-    interpreter and before Hopper."""
-    return PDL_ENABLED and device.type == "cuda" and not interpreting() and _pdl_capable(device)
+    interpreter, before Hopper and before Triton 3.4 (kernels/gdc.py)."""
+    return (
+        PDL_ENABLED
+        and device.type == "cuda"
+        and not interpreting()
+        and _gdc_available()
+        and _pdl_capable(device)
+    )
+
+
+def pdl_kwargs(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel with a USE_PDL constexpr: both on
+    under `programmatic_launch`, else none (the constexpr defaults to off,
+    and a Triton without PDL refuses a `launch_pdl` keyword)."""
+    return {"USE_PDL": True, "launch_pdl": True} if programmatic_launch(device) else {}
+
+
+def _gdc_available() -> bool:
+    from tinyengine.kernels import gdc  # imports triton: only past the checks above
+
+    return gdc.AVAILABLE
 
 
 def dot_precision(dtype: torch.dtype) -> str:

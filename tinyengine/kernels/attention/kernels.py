@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tinyengine.kernels.device_fn import device_fn
+from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 
 @device_fn

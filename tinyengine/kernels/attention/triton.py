@@ -49,7 +49,7 @@ from tinyengine.kernels.launch import (
     dot_precision,
     interpreting,
     num_sms,
-    programmatic_launch,
+    pdl_kwargs,
 )
 
 
@@ -160,7 +160,7 @@ def decode_attention(
     cfg = decode_config(num_seqs, num_q_heads, num_kv_heads, head_dim_k)
     block_n, num_warps, num_stages = block_n or cfg[0], num_warps or cfg[1], num_stages or cfg[2]
     direct = num_splits == 1
-    pdl = programmatic_launch(q.device)
+    pdl = pdl_kwargs(q.device)
     if direct:  # no partials: the split kernel writes `out` itself
         part_out = part_lse = out
     elif workspace is not None:
@@ -179,8 +179,8 @@ def decode_attention(
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
         BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
         DIRECT=direct, UPCAST=interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
-        DOT_PRECISION=dot_precision(k_cache.dtype), USE_PDL=pdl, num_warps=num_warps,
-        num_stages=num_stages, launch_pdl=pdl,
+        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
+        **pdl,
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -188,8 +188,8 @@ def decode_attention(
             HEAD_DIM_V=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v),
             # Fixed, not next_power_of_2(num_splits): the split count varies with the
             # context length, and every distinct BLOCK_S would be a new compile.
-            BLOCK_S=triton.next_power_of_2(max(num_splits, DECODE_MAX_SPLITS)), USE_PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            BLOCK_S=triton.next_power_of_2(max(num_splits, DECODE_MAX_SPLITS)), num_warps=4,
+            **pdl,
         )  # fmt: skip
 
 

@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tinyengine.kernels.device_fn import device_fn
+from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
-from tinyengine.kernels.launch import interpreting, num_sms, programmatic_launch
+from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
 
 MAX_M = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: tests only
@@ -309,7 +309,6 @@ def _launch(
     block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
     cols = block_n // 2 if fuse_silu_mul else block_n  # output columns per program
     grid = (triton.cdiv(n, cols),)
-    pdl = programmatic_launch(x.device)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         m, n, k,
@@ -319,6 +318,6 @@ def _launch(
         USE_DOT=use_dot, REDUCE_EACH_STEP=cfg.reduce_each_step and not use_dot,
         LOOP_STAGES=cfg.num_stages, UPCAST=interpreting(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
-        FUSE_SILU_MUL=fuse_silu_mul, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        FUSE_SILU_MUL=fuse_silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kwargs(x.device),
     )  # fmt: skip

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tinyengine.kernels.launch import programmatic_launch
+from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
+from tinyengine.kernels.launch import pdl_kwargs
 from tinyengine.kernels.norm.reference import rms_norm_torch
 
 
@@ -73,12 +73,11 @@ def rms_norm_triton(
         block = triton.next_power_of_2(hidden)
         # 8 elements (16 bytes of bf16) per thread: one vector load each.
         num_warps = max(1, min(16, block // 256))
-        pdl = programmatic_launch(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, res_out2,
             x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
-            num_warps=num_warps, launch_pdl=pdl,
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            **pdl_kwargs(x.device),
         )  # fmt: skip
     return out if res_out is None else (out, res_out)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tinyengine.kernels.device_fn import device_fn
-from tinyengine.kernels.launch import programmatic_launch
+from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
+from tinyengine.kernels.launch import pdl_kwargs
 
 
 @device_fn
@@ -170,7 +170,6 @@ def rope_write_kv_triton(
     has_norm = q_norm_weight is not None
     half = rot // 2
     block_hq = triton.next_power_of_2(num_q_heads)
-    pdl = programmatic_launch(q.device)
     _rope_write_kv_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         q_out, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
@@ -185,7 +184,7 @@ def rope_write_kv_triton(
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_PASS=triton.next_power_of_2(head_dim - rot) if head_dim > rot else 0,
         BLOCK_DV=triton.next_power_of_2(head_dim_v), BLOCK_SIZE=k_cache.shape[1],
-        HAS_NORM=has_norm, USE_PDL=pdl, launch_pdl=pdl,
+        HAS_NORM=has_norm, **pdl_kwargs(q.device),
         # ~8 elements (16 bytes of bf16) per thread for the q heads.
         num_warps=max(1, min(8, block_hq * triton.next_power_of_2(head_dim) // 256)),
     )  # fmt: skip
