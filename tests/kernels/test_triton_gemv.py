@@ -157,6 +157,7 @@ def test_triton_without_pdl_launches_without_it(monkeypatch) -> None:
     had_pdl = gdc.AVAILABLE
     monkeypatch.setitem(sys.modules, "triton.language.extra.cuda", None)  # import fails
     old = importlib.reload(gdc)
+    launch._gdc_available.cache_clear()
     try:
         assert not old.AVAILABLE and old.gdc_wait is None and old.gdc_launch_dependents is None
         monkeypatch.setattr(launch, "interpreting", lambda: False)
@@ -166,6 +167,7 @@ def test_triton_without_pdl_launches_without_it(monkeypatch) -> None:
     finally:
         monkeypatch.undo()
         importlib.reload(gdc)
+        launch._gdc_available.cache_clear()
     assert gdc.AVAILABLE == had_pdl and (gdc.gdc_wait is not None) == had_pdl
 
 

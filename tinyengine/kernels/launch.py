@@ -75,6 +75,7 @@ def pdl_kwargs(device: torch.device) -> dict[str, bool]:
     return {"USE_PDL": True, "launch_pdl": True} if programmatic_launch(device) else {}
 
 
+@functools.cache  # asked at every launch; fixed for the process
 def _gdc_available() -> bool:
     from tinyengine.kernels import gdc  # imports triton: only past the checks above
 
