@@ -119,15 +119,16 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
                     rows = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
                     runner.dummy_forward(rows)
 
-    # One eager run of every shape that will be captured, through the very
-    # callable the graph will capture: it compiles the Triton kernels of each
-    # shape. The torch ops compile nothing, and profile already ran each of
-    # these shapes (the arena's size), so a light startup skips them.
-    if not light:
-        for size in runner.graph_sizes():
-            runner.run_decode_shape(size)
-        for size in sorted(pieces):
-            run_piecewise_shape(runner, size)
+    # One eager run of every piecewise shape that will be captured, through
+    # the very step capture will record: it compiles that shape's Triton
+    # kernels (profile ran only the largest). The decode graphs' shapes need
+    # no second run: profile ran every captured decode size through the same
+    # callable (worker/stages.py, for the arena), which compiled their
+    # kernels; the KV cache allocated since changes no kernel specialization
+    # (its strides do not depend on the block count). The torch ops compile
+    # nothing, so a light startup skips these.
+    for size in sorted(pieces):
+        run_piecewise_shape(runner, size)
 
     runner.zero_kv_cache()
     runner.request_sampling.generators.clear()
