@@ -29,9 +29,13 @@ def prefill_config(
     softmax and MMAs interleave) beat 128-row tiles at 8k causal, d128
     (benchmarks/bench_kernels.py --sweep; docs/benchmarks.md). BLOCK_M shrinks
     with max_query_len * group so mostly-decode mixed batches don't pay for
-    256-row tiles; 256-wide heads (Dk 192 padded) get small tiles to fit.
+    256-row tiles, but not below 64: 16- and 32-row tiles measured no faster
+    than 64 on any short-query batch (mostly-decode, 16-token chunks over a
+    long context, short prompts; docs/benchmarks.md), and each tile class
+    is one more compile of this kernel on an empty Triton cache. 256-wide
+    heads (Dk 192 padded) get 64-row tiles to fit.
     """
-    rows = max(16, min(256, triton.next_power_of_2(max_query_len * group)))
+    rows = max(64, min(256, triton.next_power_of_2(max_query_len * group)))
     least = triton.next_power_of_2(group)  # a tile holds >= 1 token's heads
     rows = max(rows, least)
     if triton.next_power_of_2(head_dim_k) > 128:
