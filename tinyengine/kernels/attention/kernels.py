@@ -196,7 +196,14 @@ def _decode_split_kernel(
     Otherwise write the chunk's normalized partial output and its log2-sum-exp
     to part_out[seq, head, split, :] / part_lse[seq, head, split]; the reduce
     kernel combines them. A split past the sequence's end writes lse = -inf.
+
+    USE_PDL (kernels/launch.py): every program waits for the kernel before
+    it first, early returns included: that kernel (the RoPE + cache write)
+    writes the query and the newest K/V row read here.
     """
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
