@@ -173,9 +173,9 @@ def test_warmup_runs_every_piecewise_shape_before_any_capture(llama_path, monkey
     run_shape, capture = warmup.run_piecewise_shape, PiecewiseGraphs.capture
 
     def spy_run(where):
-        def run(runner, size):
+        def run(runner, size, **kwargs):
             events.append(f"{where}:{size}")
-            return run_shape(runner, size)
+            return run_shape(runner, size, **kwargs)
 
         return run
 
@@ -205,9 +205,9 @@ def test_warmup_leaves_a_prefill_length_to_its_piecewise_shape(llama_path, calls
     pieces: list[int] = []
     run_shape = warmup.run_piecewise_shape
 
-    def spy(runner, size):
+    def spy(runner, size, **kwargs):
         pieces.append(size)
-        return run_shape(runner, size)
+        return run_shape(runner, size, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(warmup, "run_piecewise_shape", spy)

@@ -8,7 +8,7 @@ them); this module only describes them and never allocates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +132,17 @@ class ForwardContext:
     # Set only while piecewise CUDA graphs capture or replay a step
     # (worker/piecewise_graphs.py): what splitting_op hands its call to.
     split: Callable[..., torch.Tensor] | None = None
+    # Set only for startup's shape runs (worker/runner.py: shape_run): the
+    # decoder layers to run, one of each kind (CausalLM.layer_kinds); None
+    # runs them all. The output is then meaningless; the kernels compiled
+    # and the scratch asked for are every layer's.
+    only_layers: tuple[int, ...] | None = None
+
+    def decoder_layers(self, layers: Sequence[Any]) -> Sequence[Any]:
+        """`layers` (a model's decoder layers), or only `only_layers` of them."""
+        if self.only_layers is None:
+            return layers
+        return [layers[i] for i in self.only_layers]
 
     def splitting_op(self, fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
         """fn(ctx, *rows): the one part of a layer that reads this step's

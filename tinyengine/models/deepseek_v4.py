@@ -215,7 +215,7 @@ class DeepseekV4Model(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        for layer in self.layers:
+        for layer in ctx.decoder_layers(self.layers):
             streams = layer(positions, streams, input_ids, ctx)
         return self.norm(self.hc_head(streams, ctx.ops), ctx.ops)
 

@@ -107,7 +107,7 @@ class DecoderStack(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in ctx.decoder_layers(self.layers):
             hidden_states, residual = layer(positions, hidden_states, residual, ctx)
         hidden_states, _ = self.norm(hidden_states, ctx.ops, residual)
         return hidden_states
@@ -206,6 +206,7 @@ class CausalLM(nn.Module):
 
     args: Any
     model: nn.Module
+    _layer_kinds: tuple[int, ...] | None = None  # layer_kinds(), once computed
 
     def _add_lm_head(self, tp_rank: int, tp_size: int) -> None:
         a = self.args
@@ -229,6 +230,22 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions, ctx)
 
+    def layer_kinds(self) -> tuple[int, ...]:
+        """One decoder layer of each kind, by index: the first two (the first
+        starts the residual stream, the second adds to it), then the first of
+        every other build (module types, parameter and buffer names, shapes
+        and dtypes: a MoE layer beside dense ones, a V4 layer type or routing
+        kind). Layers of one kind run the same kernels at the same shapes and
+        ask the workspace for the same scratch, so startup's shape runs
+        (worker/runner.py: shape_run) run only these."""
+        if self._layer_kinds is None:
+            layers = self.model.layers
+            kinds: dict[tuple, int] = {}
+            for i, layer in enumerate(layers):
+                kinds.setdefault(_build_of(layer), i)
+            self._layer_kinds = tuple(sorted({*range(min(2, len(layers))), *kinds.values()}))
+        return self._layer_kinds
+
     def compute_logits(self, hidden_states: torch.Tensor, ops: OpSet) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab_size] in the model's dtype. The runner
         passes only the rows it samples from, so the vocab matmul is not done for
@@ -236,3 +253,14 @@ class CausalLM(nn.Module):
         costs more than the sampling kernel; the sampler widens the values it
         needs (the fused kernel in registers)."""
         return self.lm_head(hidden_states, ops)
+
+
+def _build_of(layer: nn.Module) -> tuple:
+    """What a decoder layer is built of: its modules' types, and its
+    parameters' and buffers' names, shapes and dtypes."""
+    modules = tuple((name, type(m).__name__) for name, m in layer.named_modules())
+    tensors = tuple(
+        (name, tuple(t.shape), t.dtype)
+        for name, t in (*layer.named_parameters(), *layer.named_buffers())
+    )
+    return modules, tensors

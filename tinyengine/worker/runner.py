@@ -14,7 +14,8 @@ does the startup stages' GPU work only when the startup machine calls it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -365,11 +366,14 @@ class ModelRunner:
         return self.piecewise_sizes if self.capture_enabled() else []
 
     @torch.inference_mode()
-    def run_decode_shape(self, size: int) -> torch.Tensor:
-        """One eager run of the graph-shaped decode step of `size` padding rows
-        (profile and warmup use it to size scratch and compile kernels)."""
+    def run_decode_shape(self, size: int) -> None:
+        """A shape run (`shape_run`) of the graph-shaped decode step of `size`
+        padding rows: profile's, to size the arena and compile the kernels
+        of every decode graph before capture."""
         self.write_decode_inputs(size, NO_ROWS)
-        return self.decode_step(size)()
+        ctx = self.decode_context(size)
+        with shape_run(ctx, self.model):
+            self.decode_step(size)()
 
     @torch.inference_mode()
     def capture(self) -> dict[str, list[int]] | None:
@@ -389,3 +393,16 @@ class ModelRunner:
 
     def discard_inflight(self) -> None:
         self.inflight.discard()
+
+
+@contextlib.contextmanager
+def shape_run(ctx: ForwardContext, model: Any) -> Iterator[None]:
+    """Within it, forwards over `ctx` run one decoder layer of each kind
+    (model.layer_kinds()): enough for startup's runs that exist to compile a
+    shape's kernels and size its scratch, which every layer of a kind shares;
+    a 28-layer model runs 2. Their outputs are meaningless."""
+    ctx.only_layers = model.layer_kinds()
+    try:
+        yield
+    finally:
+        ctx.only_layers = None

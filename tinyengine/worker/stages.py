@@ -123,6 +123,10 @@ class StartupStages:
         #    size. With the Triton kernels each of those is run, since split-KV
         #    scratch is not monotonic in the batch size (a small batch splits
         #    the context more ways); max_model_len context is the worst for each.
+        #    Each is a shape run (runner.shape_run): one decoder layer of each
+        #    kind, whose kernels and scratch every layer of that kind shares.
+        #    These runs also compile every decode graph's kernels before
+        #    capture (warmup does not repeat them).
         captured = runner.graph_sizes()
         sizes = set(captured)
         if runner.ops.name == "triton":

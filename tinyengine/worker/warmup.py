@@ -120,15 +120,16 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
                     runner.dummy_forward(rows)
 
     # One eager run of every piecewise shape that will be captured, through
-    # the very step capture will record: it compiles that shape's Triton
-    # kernels (profile ran only the largest). The decode graphs' shapes need
-    # no second run: profile ran every captured decode size through the same
+    # the very step capture will record, one layer of each kind (what a shape
+    # run needs, worker/runner.py): it compiles that shape's Triton kernels
+    # (profile ran only the largest). The decode graphs' shapes need no
+    # second run: profile ran every captured decode size through the same
     # callable (worker/stages.py, for the arena), which compiled their
     # kernels; the KV cache allocated since changes no kernel specialization
     # (its strides do not depend on the block count). The torch ops compile
     # nothing, so a light startup skips these.
     for size in sorted(pieces):
-        run_piecewise_shape(runner, size)
+        run_piecewise_shape(runner, size, layer_kinds=True)
 
     runner.zero_kv_cache()
     runner.request_sampling.generators.clear()
