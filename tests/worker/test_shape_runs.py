@@ -87,3 +87,46 @@ def test_shape_runs_size_the_arena_as_every_layer_would(tmp_path, monkeypatch, a
                             params, use_tqdm=False)  # fmt: skip
         runs[every_layer] = (runner.workspace.size, [o.outputs[0].token_ids for o in outs])
     assert runs[False] == runs[True]
+
+
+# In a process of its own, so that every kernel variant the engine needs is
+# built or loaded during its startup (jit_monitor counts per process).
+_CAPTURE_COMPILES = """
+import sys
+from tinyengine import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+          print_startup_report=False)
+capture = {s.name: s for s in llm.startup_report().stages}["capture"]
+prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 90)]
+llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+             use_tqdm=False)
+print(capture.kernels, llm.stats()["jit_compiles_after_ready"])
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek-v3", "deepseek-v4"])
+def test_gpu_shape_runs_leave_capture_nothing_to_compile(tmp_path, arch):
+    """On the GPU, the shape runs (one layer of each kind) compile every
+    kernel variant the decode and piecewise graphs hold: capture builds
+    none, and serving afterwards none either."""
+    import os
+    import subprocess
+    import sys
+
+    if arch == "qwen3":
+        path = make_tiny_hf_model("qwen3", tmp_path / arch, num_hidden_layers=4)
+    elif arch == "deepseek-v3":
+        path = make_tiny_deepseek("v3", tmp_path / arch, num_hidden_layers=4)
+    else:
+        path = make_tiny_v4(tmp_path / arch, num_hidden_layers=5,
+                            layer_types=["sliding_attention", "compressed_sparse_attention",
+                                         "heavily_compressed_attention",
+                                         "compressed_sparse_attention",
+                                         "heavily_compressed_attention"])  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", _CAPTURE_COMPILES, str(path)],
+                         env=dict(os.environ), capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    capture_kernels, after_ready = map(int, run.stdout.split()[-2:])
+    assert capture_kernels == 0 and after_ready == 0
