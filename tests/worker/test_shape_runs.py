@@ -51,7 +51,7 @@ def test_shape_runs_size_the_arena_as_every_layer_would(tmp_path, monkeypatch, a
         path = make_tiny_hf_model("llama", tmp_path / arch, num_hidden_layers=4)
     else:
         path = make_tiny_deepseek("v3", tmp_path / arch, num_hidden_layers=4)
-    engine = dict(max_model_len=48, max_num_seqs=3, max_num_batched_tokens=24,
+    engine = dict(max_model_len=32, max_num_seqs=3, max_num_batched_tokens=16,
                   attention_backend="triton", graph_backend="recording",
                   cuda_graph_sizes=[1, 2], print_startup_report=False)  # fmt: skip
     calls: Counter = Counter()  # decoder layer -> forwards during startup
@@ -82,8 +82,8 @@ def test_shape_runs_size_the_arena_as_every_layer_would(tmp_path, monkeypatch, a
             assert len({calls[layer] for layer in layers}) == 1
         # No graph-shaped context is left running a subset.
         assert all(runner.decode_context(n).only_layers is None for n in (1, 2))
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 30)],
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 20)],
                             params, use_tqdm=False)  # fmt: skip
         runs[every_layer] = (runner.workspace.size, [o.outputs[0].token_ids for o in outs])
     assert runs[False] == runs[True]
