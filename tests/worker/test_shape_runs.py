@@ -1,4 +1,4 @@
-"""Startup's shape runs (worker/runner.py: shape_run): profile's decode sizes
+"""Startup's shape runs (ForwardContext.running_only): profile's decode sizes
 and warmup's piecewise token counts run one decoder layer of each kind
 (CausalLM.layer_kinds), since those runs only compile a shape's kernels and
 size its scratch, which every layer of a kind shares.

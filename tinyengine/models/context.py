@@ -8,7 +8,8 @@ them); this module only describes them and never allocates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,10 +133,8 @@ class ForwardContext:
     # Set only while piecewise CUDA graphs capture or replay a step
     # (worker/piecewise_graphs.py): what splitting_op hands its call to.
     split: Callable[..., torch.Tensor] | None = None
-    # Set only for startup's shape runs (worker/runner.py: shape_run): the
-    # decoder layers to run, one of each kind (CausalLM.layer_kinds); None
-    # runs them all. The output is then meaningless; the kernels compiled
-    # and the scratch asked for are every layer's.
+    # Set only within `running_only` (startup's shape runs): the decoder
+    # layers to run; None runs them all.
     only_layers: tuple[int, ...] | None = None
 
     def decoder_layers(self, layers: Sequence[Any]) -> Sequence[Any]:
@@ -143,6 +142,19 @@ class ForwardContext:
         if self.only_layers is None:
             return layers
         return [layers[i] for i in self.only_layers]
+
+    @contextlib.contextmanager
+    def running_only(self, layers: tuple[int, ...] | None) -> Iterator[None]:
+        """Within it, forwards over this context run only decoder `layers`
+        (None: all). Startup's shape runs pass CausalLM.layer_kinds(), one
+        layer of each kind: runs that exist to compile a shape's kernels and
+        size its scratch, which every layer of a kind shares (a 28-layer
+        model runs 2). Their outputs are meaningless."""
+        self.only_layers = layers
+        try:
+            yield
+        finally:
+            self.only_layers = None
 
     def splitting_op(self, fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
         """fn(ctx, *rows): the one part of a layer that reads this step's

@@ -237,7 +237,7 @@ class CausalLM(nn.Module):
         and dtypes: a MoE layer beside dense ones, a V4 layer type or routing
         kind). Layers of one kind run the same kernels at the same shapes and
         ask the workspace for the same scratch, so startup's shape runs
-        (worker/runner.py: shape_run) run only these."""
+        (ForwardContext.running_only) run only these."""
         if self._layer_kinds is None:
             layers = self.model.layers
             kinds: dict[tuple, int] = {}

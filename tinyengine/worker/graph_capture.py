@@ -82,13 +82,12 @@ def _capture_graphs(runner: Any) -> tuple[DecodeGraphs, PiecewiseGraphs | None]:
 def run_piecewise_shape(runner: Any, size: int, *, layer_kinds: bool = False) -> int:
     """One eager run of the step piecewise capture will record at `size`
     tokens (warmup: it compiles that shape's kernels and sizes its scratch;
-    `layer_kinds`: one layer of each kind, runner.shape_run). Returns the
-    bytes its splitting ops' inputs and outputs hold: a capture keeps them
-    for good (piecewise_graphs.SplitBuffers), so profile counts them into
-    the graph pool, over every layer."""
+    `layer_kinds`: one layer of each kind, ForwardContext.running_only).
+    Returns the bytes its splitting ops' inputs and outputs hold: a capture
+    keeps them for good (piecewise_graphs.SplitBuffers), so profile counts
+    them into the graph pool, over every layer."""
     ctx, step = runner.dummy_step(piecewise_rows(size, runner.max_model_len))
-    if layer_kinds:
-        ctx.only_layers = runner.model.layer_kinds()
+    layers = runner.model.layer_kinds() if layer_kinds else None
     storages: dict[int, int] = {}  # a kept row keeps its whole storage (q: all of qkv)
 
     def split(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
@@ -100,7 +99,7 @@ def run_piecewise_shape(runner: Any, size: int, *, layer_kinds: bool = False) ->
 
     ctx.split = split
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), ctx.running_only(layers):
             step()
     finally:
         ctx.split = None

@@ -14,8 +14,7 @@ does the startup stages' GPU work only when the startup machine calls it.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -367,12 +366,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_decode_shape(self, size: int) -> None:
-        """A shape run (`shape_run`) of the graph-shaped decode step of `size`
-        padding rows: profile's, to size the arena and compile the kernels
-        of every decode graph before capture."""
+        """A shape run (ForwardContext.running_only one layer of each kind)
+        of the graph-shaped decode step of `size` padding rows: profile's, to
+        size the arena and compile the kernels of every decode graph."""
         self.write_decode_inputs(size, NO_ROWS)
-        ctx = self.decode_context(size)
-        with shape_run(ctx, self.model):
+        with self.decode_context(size).running_only(self.model.layer_kinds()):
             self.decode_step(size)()
 
     @torch.inference_mode()
@@ -393,16 +391,3 @@ class ModelRunner:
 
     def discard_inflight(self) -> None:
         self.inflight.discard()
-
-
-@contextlib.contextmanager
-def shape_run(ctx: ForwardContext, model: Any) -> Iterator[None]:
-    """Within it, forwards over `ctx` run one decoder layer of each kind
-    (model.layer_kinds()): enough for startup's runs that exist to compile a
-    shape's kernels and size its scratch, which every layer of a kind shares;
-    a 28-layer model runs 2. Their outputs are meaningless."""
-    ctx.only_layers = model.layer_kinds()
-    try:
-        yield
-    finally:
-        ctx.only_layers = None

@@ -123,7 +123,7 @@ class StartupStages:
         #    size. With the Triton kernels each of those is run, since split-KV
         #    scratch is not monotonic in the batch size (a small batch splits
         #    the context more ways); max_model_len context is the worst for each.
-        #    Each is a shape run (runner.shape_run): one decoder layer of each
+        #    Each is a shape run (ForwardContext.running_only): one layer of each
         #    kind, whose kernels and scratch every layer of that kind shares.
         #    These runs also compile every decode graph's kernels before
         #    capture (warmup does not repeat them).
