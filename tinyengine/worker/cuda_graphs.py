@@ -22,6 +22,10 @@ from typing import Any
 
 import torch
 
+# What a decode graph's step returns: hidden states, logits and the draw's
+# tokens (None without a draw op), each over all of the graph's rows.
+DecodeOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
 
 class StaleGraphAddressError(RuntimeError):
     """A replay would read workspace memory that was freed after capture."""

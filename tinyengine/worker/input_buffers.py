@@ -25,6 +25,9 @@ class InputBuffers:
     seq_lens: torch.Tensor  # int32 [max_num_seqs]
     block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks_per_seq]
     logits_indices: torch.Tensor  # int64 [max_num_seqs]
+    # The sampler's draw inside a decode graph reads these (Sampler.stage_graph_draw).
+    inv_temperature: torch.Tensor  # fp32 [max_num_seqs]
+    seeds: torch.Tensor  # int64 [max_num_seqs]
     # 0, 1, ..., max_num_seqs, never written: a decode graph's rows are one
     # token each, so its query_start_loc is a prefix of this (no per-step copy).
     decode_query_start_loc: torch.Tensor  # int32 [max_num_seqs + 1]
@@ -48,6 +51,8 @@ class InputBuffers:
             seq_lens=zeros(max_seqs, dtype=torch.int32),
             block_tables=zeros(max_seqs, max_blocks, dtype=torch.int32),
             logits_indices=zeros(max_seqs, dtype=torch.int64),
+            inv_temperature=zeros(max_seqs, dtype=torch.float32),
+            seeds=zeros(max_seqs, dtype=torch.int64),
             decode_query_start_loc=torch.arange(max_seqs + 1, dtype=torch.int32, device=device),
         )
 
@@ -82,7 +87,7 @@ class InputBuffers:
         write(self.seq_lens, inputs.seq_lens, pad_to=size, pad=1)
 
 
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
 def write(buffer: torch.Tensor, values, pad_to: int = 0, pad: int = 0) -> None:

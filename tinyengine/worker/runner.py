@@ -31,7 +31,12 @@ from tinyengine.models.rotary import RopeCache
 from tinyengine.scheduling.block_manager import SlidingGroup
 from tinyengine.scheduling.scheduler import SchedulerOutput
 from tinyengine.worker.block_table import HostBlockTable
-from tinyengine.worker.cuda_graphs import DecodeGraphs, capture_skip_reason, default_capture_sizes
+from tinyengine.worker.cuda_graphs import (
+    DecodeGraphs,
+    DecodeOutput,
+    capture_skip_reason,
+    default_capture_sizes,
+)
 from tinyengine.worker.graph_capture import capture_graphs, piecewise_sizes
 from tinyengine.worker.inflight import InflightTokens
 from tinyengine.worker.input_buffers import InputBuffers, write
@@ -41,8 +46,8 @@ from tinyengine.worker.prompt_logprobs import prompt_logprobs
 from tinyengine.worker.request_sampling import RequestSamplingState
 from tinyengine.worker.sample_output import PromptLogprobRows, StepLaunch
 from tinyengine.worker.sampler import Sampler
-from tinyengine.worker.step_inputs import StepInputs, prompt_rows
-from tinyengine.worker.step_rows import NO_ROWS, StepRows, step_rows
+from tinyengine.worker.step_inputs import StepInputs, build_step_inputs
+from tinyengine.worker.step_rows import NO_ROWS, StepRows
 
 
 class ModelRunner:
@@ -142,41 +147,14 @@ class ModelRunner:
 
     # --- one step: inputs on the host, then the forward on every rank ---
 
-    def step_inputs(self, plan: SchedulerOutput) -> tuple[StepInputs, list[int]]:
-        """The host half of a step: its rows, block tables and which rows
-        sample, as a StepInputs; and the indices (into plan.scheduled) of the
-        requests that sample. A decode batch a captured graph fits is padded
-        to that graph's size."""
-        rows, waiting = step_rows(plan, self.block_table, self.block_size)
-        # Rows whose token the last launch sampled read it on the device.
-        inflight = self.inflight.rows(waiting)
-        scheduled = plan.scheduled
-        sampling = [i for i, s in enumerate(scheduled) if s.samples]
-        size = self.graphs.padded_size(len(scheduled)) if self.graphs and plan.is_decode else None
-        if size is not None:
-            inputs = self._decode_inputs(size, rows)
-            logits_rows = sampling  # one row per request
-        else:
-            input_ids, positions, slots, seq_lens, table = rows
-            q_lens = [s.num_new_tokens for s in scheduled]
-            query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
-            seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
-            inputs = StepInputs(None, input_ids, positions, slots, seq_lens, query_start_loc,
-                                self._tables(*table))  # fmt: skip
-            if self.piecewise is not None:
-                inputs.piecewise_size = self.piecewise.padded_size(len(input_ids))
-            logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]  # each one's last
-        inputs.inflight, inputs.logits_rows = inflight, logits_rows
-        if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
-            inputs.prompt_rows = prompt_rows(plan)
-        return inputs, sampling
-
-    def _decode_inputs(self, size: int, rows: StepRows) -> StepInputs:
+    def decode_inputs(self, size: int, rows: StepRows) -> StepInputs:
         input_ids, positions, slots, seq_lens, (table_rows, width) = rows
         return StepInputs(size, input_ids, positions, slots, seq_lens, None,
-                          self._tables(table_rows, width, size))  # fmt: skip
+                          self.gather_tables(table_rows, width, size))  # fmt: skip
 
-    def _tables(self, table_rows: np.ndarray, width: int, pad_to: int = 0) -> list[np.ndarray]:
+    def gather_tables(
+        self, table_rows: np.ndarray, width: int, pad_to: int = 0
+    ) -> list[np.ndarray]:
         """The scheduled rows' block tables (padded with rows that read only
         the dummy blocks), and only the columns some row uses: kernels read a
         row's entries below its seq_len alone, so stale columns further right
@@ -244,7 +222,7 @@ class ModelRunner:
             seq_lens,
             starts,
             # Padding rows only: every position of every row reads a dummy block.
-            self._tables(np.empty(0, dtype=np.int64), width, len(seq_lens)),
+            self.gather_tables(np.empty(0, dtype=np.int64), width, len(seq_lens)),
         ))  # fmt: skip
         b = self.buffers
         return ctx, lambda: self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
@@ -274,12 +252,26 @@ class ModelRunner:
 
     def write_decode_inputs(self, size: int, rows: StepRows) -> None:
         """Decode rows into the buffers, padded to `size` rows."""
-        self.write_inputs(self._decode_inputs(size, rows))
+        self.write_inputs(self.decode_inputs(size, rows))
 
-    def decode_step(self, size: int) -> Callable[[], torch.Tensor]:
-        """The callable a decode graph captures: the model over `size` rows."""
-        b, ctx = self.buffers, self.decode_context(size)
-        return lambda: self.model(b.input_ids[:size], b.positions[:size], ctx)
+    def decode_step(self, size: int) -> Callable[[], DecodeOutput]:
+        """The callable a decode graph captures, the whole step over `size`
+        rows: the model, the LM head over every row, and the sampler's draw
+        when the op set has one (it reads inv_temperature and seeds, which
+        Sampler.stage_graph_draw writes; its tokens are used only when that
+        said so). Padding rows cost the LM head nothing it would not read
+        anyway: at these sizes the vocab matrix is the traffic."""
+        b, ctx, model, ops = self.buffers, self.decode_context(size), self.model, self.ops
+        draw = self.sampler.draw
+
+        def step() -> DecodeOutput:
+            hidden = model(b.input_ids[:size], b.positions[:size], ctx)
+            logits = model.compute_logits(hidden, ops)
+            if draw is None:
+                return hidden, logits, None
+            return hidden, logits, draw(logits, b.inv_temperature[:size], b.seeds[:size])
+
+        return step
 
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput) -> StepLaunch:
@@ -288,7 +280,7 @@ class ModelRunner:
         several tensor-parallel ranks (`peers`, set once startup is READY)
         the other ranks get the step's inputs first and run the same forward;
         only this rank samples, and shares the ids the next step may read."""
-        inputs, sampling = self.step_inputs(plan)
+        inputs, sampling = build_step_inputs(self, plan)
         peers = self.peers
         if peers is None:
             return self._launch(plan, inputs, sampling)
@@ -299,14 +291,27 @@ class ModelRunner:
             raise peers.dead_error(exc) from exc
 
     def _launch(self, plan: SchedulerOutput, inputs: StepInputs, sampling: list[int]) -> StepLaunch:
-        logits, prompt_rows = self.forward_step(inputs)
+        requests = [plan.scheduled[i].request for i in sampling]
+        rows = self.request_sampling.rows(requests, self.vocab_size)
+        params, generators, banned, _ = rows
+        size, b = inputs.graph_size, self.buffers
+        # A decode graph's draw serves the batch when its first rows are the
+        # sampling ones (every decode row samples) and the sampler can stage it.
+        drawn = (
+            size is not None
+            and _first_rows(sampling)
+            and self.sampler.stage_graph_draw(
+                params, generators, banned, self.vocab_size,
+                b.inv_temperature[:size], b.seeds[:size],
+            )
+        )  # fmt: skip
+        logits, tokens, prompt_rows = self.forward_step(inputs)
         if logits is None:
             return StepLaunch(len(plan.scheduled), sampling, None, prompt_rows)
-        requests = [plan.scheduled[i].request for i in sampling]
-        params, generators, banned, histories = self.request_sampling.rows(
-            requests, logits.shape[-1]
-        )
-        pending = self.sampler.sample(logits, params, generators, banned, histories)
+        if drawn:
+            pending = self.sampler.finish(logits, tokens, params)
+        else:
+            pending = self.sampler.sample(logits, *rows)
         self.remember_sampled(pending.token_ids, [r.request_id for r in requests])
         if self.peers is not None:
             self.peers.share_sampled(pending.token_ids)
@@ -315,10 +320,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_step(
         self, inputs: StepInputs
-    ) -> tuple[torch.Tensor | None, PromptLogprobRows | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, PromptLogprobRows | None]:
         """What every rank runs of a step: write the inputs, replay the decode
-        graph of its size or run eagerly, then the logits of the sampling rows
-        (None when none samples) and the prompt logprobs asked for (their
+        graph of its size or run eagerly; then the logits of the sampling rows
+        (None when none samples), the tokens a decode graph's draw chose for
+        them (None on other steps), and the prompt logprobs asked for (their
         logits are collectives too, so every rank computes them)."""
         prof = self.profiler
         ctx = self.write_inputs(inputs)
@@ -326,9 +332,10 @@ class ModelRunner:
         if prof is not None:
             prof.forward_start()
         b, size = self.buffers, inputs.graph_size
-        n = inputs.num_tokens
+        n, rows, k = inputs.num_tokens, inputs.logits_rows, len(inputs.logits_rows)
+        logits = tokens = None
         if size is not None:
-            hidden = self.graphs.replay(size, self.decode_step(size))
+            hidden, logits, tokens = self.graphs.replay(size, self.decode_step(size))
         elif inputs.piecewise_size is not None:
             hidden = self.piecewise.replay(inputs.piecewise_size, ctx, n)[:n]
         else:
@@ -336,14 +343,20 @@ class ModelRunner:
         prompt = None
         if inputs.prompt_rows:  # syncs (see its module docstring)
             prompt = prompt_logprobs(self.model, self.ops, hidden, inputs.prompt_rows)
-        logits = None
-        if inputs.logits_rows:
-            k = len(inputs.logits_rows)
-            write(b.logits_indices, inputs.logits_rows)
-            logits = self.model.compute_logits(hidden[b.logits_indices[:k]], self.ops)
+        if not k:
+            logits = tokens = None
+        elif size is not None and _first_rows(rows):
+            # Views of the graph's outputs, which its next replay overwrites:
+            # whatever reads them (the copy to the host, the next step's
+            # in-flight ids) is enqueued before that replay.
+            logits, tokens = logits[:k], None if tokens is None else tokens[:k]
+        else:  # an eager step, or a decode step not every row of which samples
+            write(b.logits_indices, rows)
+            index, tokens = b.logits_indices[:k], None
+            logits = logits[index] if size else self.model.compute_logits(hidden[index], self.ops)
         if prof is not None:  # the profiled "forward" includes the lm_head
             prof.forward_end()
-        return logits, prompt
+        return logits, tokens, prompt
 
     def remember_sampled(self, token_ids: torch.Tensor, request_ids: list[str]) -> None:
         """The ids just sampled, which the next step's in-flight rows read."""
@@ -391,3 +404,8 @@ class ModelRunner:
 
     def discard_inflight(self) -> None:
         self.inflight.discard()
+
+
+def _first_rows(rows: list[int]) -> bool:
+    """Whether ascending row indices are 0, 1, ..., len - 1 (and not empty)."""
+    return bool(rows) and rows[-1] == len(rows) - 1

@@ -54,6 +54,7 @@ from collections.abc import Callable
 import torch
 
 from tinyengine.sampling_params import SamplingParams
+from tinyengine.worker.input_buffers import write
 from tinyengine.worker.penalties import TokenHistory, penalize, record
 from tinyengine.worker.sample_output import (
     PendingSample,
@@ -223,6 +224,57 @@ class Sampler:
         # (the Gumbel-max trick in another guise), with no cumsum or search.
         return probs.div_(noise).argmax(dim=-1)
 
+    def stage_graph_draw(
+        self,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned: list[list[int]],
+        vocab: int,
+        inv_temperature: torch.Tensor,
+        seeds: torch.Tensor,
+    ) -> bool:
+        """Inputs for a draw captured in a decode graph, `draw(logits,
+        inv_temperature, seeds)` over all the graph's rows, of which the
+        first len(params) are this batch's. When the batch takes the fast
+        path with no banned token (the draw reads nothing else), write its
+        rows' inverse temperatures (0 past them: the padding rows take the
+        argmax) and its seeds, drawn exactly as the eager fast path draws
+        them, and return True: the graph's tokens are then this batch's, and
+        `finish` collects them. False (penalties, banned tokens, filters, or
+        no draw op): nothing is written or drawn, and `sample` runs on the
+        graph's logits as on any others."""
+        if self.draw is None or any(p.adjusts_logits for p in params) or any(banned):
+            return False
+        greedy, inv_temp = self._fast_path(params, vocab)
+        if inv_temp is None:
+            return False
+        write(inv_temperature, inv_temp, pad_to=inv_temperature.shape[0])
+        if not all(greedy):  # greedy rows' seeds are never read
+            self._seeds(generators, greedy, out=seeds[: len(params)])
+        return True
+
+    def finish(
+        self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    ) -> PendingSample:
+        """The rest of a step whose tokens a graph's draw chose (after
+        stage_graph_draw returned True): logprobs of the rows that ask, and
+        the copy to the host."""
+        return self._collect(logits, tokens, params)
+
+    def _fast_path(
+        self, params: list[SamplingParams], vocab: int
+    ) -> tuple[list[bool], list[float] | None]:
+        """Which rows are greedy, and the draw's inverse temperatures when
+        the batch takes the fast path (no sampled row filters; else None)."""
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        live = [p for p, g in zip(params, greedy, strict=True) if not g]
+        max_k, need_top_p, _, need_min_p = filter_needs(live, vocab)
+        if max_k or need_top_p or need_min_p:
+            return greedy, None
+        return greedy, [
+            0.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy, strict=True)
+        ]
+
     def _sample_fused(
         self,
         raw: torch.Tensor,
@@ -235,18 +287,15 @@ class Sampler:
         filter path). `logits`: penalized, `raw`: not (for logprobs)."""
         draw = self.draw
         vocab = logits.shape[-1]
-        greedy = [p.temperature < _GREEDY_EPS for p in params]
-        live = [p for p, g in zip(params, greedy, strict=True) if not g]
-        max_k, need_top_p, full_sort, need_min_p = filter_needs(live, vocab)
+        greedy, inv_temp = self._fast_path(params, vocab)
         seeds = self._seeds(generators, greedy)
-        if not (max_k or need_top_p or need_min_p):
+        if inv_temp is not None:
             # Fast path: the logits in their own dtype; a ban copies them once.
-            inv_temp = [
-                0.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy, strict=True)
-            ]
             inv_t = self._to_device(inv_temp, torch.float32)
             tokens = draw(self._ban(logits, banned), inv_t, seeds)
             return self._collect(raw, tokens, params)
+        live = [p for p, g in zip(params, greedy, strict=True) if not g]
+        max_k, need_top_p, full_sort, need_min_p = filter_needs(live, vocab)
 
         # Filter path: the torch path's cutoffs (on the fp32 logits divided by
         # the temperature), then the same draw on the raw logits with -inf at
@@ -275,19 +324,25 @@ class Sampler:
         tokens = draw(masked, t[:, INV_TEMP], seeds)
         return self._collect(raw, tokens, params)
 
-    def _seeds(self, generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
-        """One int64 seed per row on the device for the fused kernel's noise:
-        unseeded sampled rows share one draw from the sampler's generator, each
-        seeded sampled row draws exactly one value from its own generator, and
-        greedy rows draw nothing (their seed is never read)."""
+    def _seeds(
+        self,
+        generators: list[torch.Generator | None],
+        greedy: list[bool],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One int64 seed per row on the device for the fused kernel's noise
+        (into `out` when given): unseeded sampled rows share one draw from the
+        sampler's generator, each seeded sampled row draws exactly one value
+        from its own generator, and greedy rows draw nothing (their seed is
+        never read)."""
         num_rows = len(greedy)
         live = [not g for g in greedy]
+        seeds = torch.empty(num_rows, dtype=torch.int64, device=self.device) if out is None else out
         if any(ok and g is None for g, ok in zip(generators, live, strict=True)):
-            seeds = torch.randint(
-                _SEED_HIGH, (num_rows,), generator=self.generator, device=self.device
-            )
-        else:
-            seeds = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+            # torch.randint's own draw: random_(0, high) on an empty tensor.
+            seeds.random_(0, _SEED_HIGH, generator=self.generator)
+        elif out is None:
+            seeds.zero_()
         for i, (g, ok) in enumerate(zip(generators, live, strict=True)):
             if ok and g is not None:
                 seeds[i : i + 1].random_(0, _SEED_HIGH, generator=g)

@@ -2,9 +2,10 @@
 the step's forward, built once from the scheduler's plan (by rank 0 when
 there are several tensor-parallel ranks, which receive it as is).
 
-Owns that data's shape and the prompt-logprob work list. Nothing here holds
-a tensor or a Request: the object is pickled to the other ranks
-(worker/worker_group.py), which hold no scheduler state at all.
+Owns that data's shape, building it from a plan (`build_step_inputs`) and the
+prompt-logprob work list. Nothing in a StepInputs holds a tensor or a
+Request: the object is pickled to the other ranks (worker/worker_group.py),
+which hold no scheduler state at all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tinyengine.scheduling.scheduler import SchedulerOutput
+from tinyengine.worker.step_rows import step_rows
 
 
 @dataclass
@@ -71,3 +73,34 @@ def prompt_rows(plan: SchedulerOutput) -> list[PromptRows]:
             out.append(PromptRows(request.request_id, sched.start + 1, offset, targets, num_top))
         offset += n
     return out
+
+
+def build_step_inputs(runner: Any, plan: SchedulerOutput) -> tuple[StepInputs, list[int]]:
+    """The host half of a step on `runner` (a ModelRunner): its rows, block
+    tables and which rows sample, as a StepInputs; and the indices (into
+    plan.scheduled) of the requests that sample. A decode batch a captured
+    graph fits is padded to that graph's size."""
+    rows, waiting = step_rows(plan, runner.block_table, runner.block_size)
+    # Rows whose token the last launch sampled read it on the device.
+    inflight = runner.inflight.rows(waiting)
+    scheduled = plan.scheduled
+    sampling = [i for i, s in enumerate(scheduled) if s.samples]
+    graphs = runner.graphs
+    size = graphs.padded_size(len(scheduled)) if graphs and plan.is_decode else None
+    if size is not None:
+        inputs = runner.decode_inputs(size, rows)
+        logits_rows = sampling  # one row per request
+    else:
+        input_ids, positions, slots, seq_lens, table = rows
+        q_lens = [s.num_new_tokens for s in scheduled]
+        query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
+        seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
+        inputs = StepInputs(None, input_ids, positions, slots, seq_lens, query_start_loc,
+                            runner.gather_tables(*table))  # fmt: skip
+        if runner.piecewise is not None:
+            inputs.piecewise_size = runner.piecewise.padded_size(len(input_ids))
+        logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]  # each one's last
+    inputs.inflight, inputs.logits_rows = inflight, logits_rows
+    if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
+        inputs.prompt_rows = prompt_rows(plan)
+    return inputs, sampling

@@ -70,7 +70,7 @@ def serve(rank: int, size: int, port: int, config_path: str, ready: Path) -> Non
             dist.all_gather_object([None] * size, result, group=meta)
         elif kind == "step":
             inputs = command[1]
-            logits, _ = runner.forward_step(inputs)
+            logits, _, _ = runner.forward_step(inputs)
             if logits is not None and config.async_scheduling:
                 num = len(inputs.logits_rows)
                 tokens = torch.empty(num, dtype=torch.long, device=runner.device)
