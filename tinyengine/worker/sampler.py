@@ -30,6 +30,13 @@ the torch op set and on CPU):
     seeds. A row that does not filter sees exactly the same kernel inputs on
     both paths, so its token does not depend on which path its batch took.
 
+A decode CUDA graph captures the draw op too (ModelRunner.decode_step): for
+a fast-path batch with no banned token, `stage_graph_draw` writes the rows'
+inverse temperatures and seeds into the graph's persistent inputs before the
+replay, and `finish` collects the graph's tokens (logprobs, the host copy).
+The seeds are drawn as the eager fast path draws them, so a row's token is
+the same either way for the same logits.
+
 Must never:
   * modify the caller's logits (the runner may read them again, and logprobs
     are defined on them as given);
