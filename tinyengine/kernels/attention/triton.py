@@ -135,10 +135,18 @@ def prefill_attention(
         NUM_KV_HEADS=k_cache.shape[2], GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
-        BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
+        BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=_prefill_block_dv(head_dim_v),
         UPCAST=interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
         DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+
+
+def _prefill_block_dv(head_dim_v: int) -> int:
+    """The P @ V tile's width: at least 32. With 16 (value heads of <= 16,
+    small test models), Triton 3.6's sm_90 code for that MMA reads shared
+    memory out of bounds (compute-sanitizer: an illegal access in the
+    `tl.dot(p, v, ...)` of _attend_tile); the extra columns are masked."""
+    return max(32, triton.next_power_of_2(head_dim_v))
 
 
 def decode_attention(
