@@ -46,7 +46,12 @@ from tinyengine.worker.prompt_logprobs import prompt_logprobs
 from tinyengine.worker.request_sampling import RequestSamplingState
 from tinyengine.worker.sample_output import PromptLogprobRows, StepLaunch
 from tinyengine.worker.sampler import Sampler
-from tinyengine.worker.step_inputs import StepInputs, build_step_inputs
+from tinyengine.worker.step_inputs import (
+    StepInputs,
+    build_step_inputs,
+    decode_inputs,
+    gather_tables,
+)
 from tinyengine.worker.step_rows import NO_ROWS, StepRows
 
 
@@ -147,25 +152,6 @@ class ModelRunner:
 
     # --- one step: inputs on the host, then the forward on every rank ---
 
-    def decode_inputs(self, size: int, rows: StepRows) -> StepInputs:
-        input_ids, positions, slots, seq_lens, (table_rows, width) = rows
-        return StepInputs(size, input_ids, positions, slots, seq_lens, None,
-                          self.gather_tables(table_rows, width, size))  # fmt: skip
-
-    def gather_tables(
-        self, table_rows: np.ndarray, width: int, pad_to: int = 0
-    ) -> list[np.ndarray]:
-        """The scheduled rows' block tables (padded with rows that read only
-        the dummy blocks), and only the columns some row uses: kernels read a
-        row's entries below its seq_len alone, so stale columns further right
-        are never looked at (and a full-width table is megabytes per step at
-        long max_model_len)."""
-        tables = [self.block_table.gather(table_rows, width, pad_to, self.dummy_block)]
-        if self.keep is not None:
-            tables.append(self.block_table.gather_entries(table_rows, width, pad_to,
-                                                          self.entry_dummy_block))  # fmt: skip
-        return tables
-
     def write_inputs(self, inputs: StepInputs) -> ForwardContext:
         """Write a step's inputs into the persistent buffers; returns its
         context (a graph-shaped step's is the fixed one its graph captured)."""
@@ -222,7 +208,7 @@ class ModelRunner:
             seq_lens,
             starts,
             # Padding rows only: every position of every row reads a dummy block.
-            self.gather_tables(np.empty(0, dtype=np.int64), width, len(seq_lens)),
+            gather_tables(self, np.empty(0, dtype=np.int64), width, len(seq_lens)),
         ))  # fmt: skip
         b = self.buffers
         return ctx, lambda: self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
@@ -252,7 +238,7 @@ class ModelRunner:
 
     def write_decode_inputs(self, size: int, rows: StepRows) -> None:
         """Decode rows into the buffers, padded to `size` rows."""
-        self.write_inputs(self.decode_inputs(size, rows))
+        self.write_inputs(decode_inputs(self, size, rows))
 
     def decode_step(self, size: int) -> Callable[[], DecodeOutput]:
         """The callable a decode graph captures, the whole step over `size`

@@ -88,7 +88,7 @@ def build_step_inputs(runner: Any, plan: SchedulerOutput) -> tuple[StepInputs, l
     graphs = runner.graphs
     size = graphs.padded_size(len(scheduled)) if graphs and plan.is_decode else None
     if size is not None:
-        inputs = runner.decode_inputs(size, rows)
+        inputs = decode_inputs(runner, size, rows)
         logits_rows = sampling  # one row per request
     else:
         input_ids, positions, slots, seq_lens, table = rows
@@ -96,7 +96,7 @@ def build_step_inputs(runner: Any, plan: SchedulerOutput) -> tuple[StepInputs, l
         query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
         seq_lens = [int(n) for n in seq_lens]  # host lengths for the kernels' launch sizes
         inputs = StepInputs(None, input_ids, positions, slots, seq_lens, query_start_loc,
-                            runner.gather_tables(*table))  # fmt: skip
+                            gather_tables(runner, *table))  # fmt: skip
         if runner.piecewise is not None:
             inputs.piecewise_size = runner.piecewise.padded_size(len(input_ids))
         logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]  # each one's last
@@ -104,3 +104,25 @@ def build_step_inputs(runner: Any, plan: SchedulerOutput) -> tuple[StepInputs, l
     if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
         inputs.prompt_rows = prompt_rows(plan)
     return inputs, sampling
+
+
+def decode_inputs(runner: Any, size: int, rows: Any) -> StepInputs:
+    """A decode step's StepRows as the StepInputs of the `size`-row graph."""
+    input_ids, positions, slots, seq_lens, (table_rows, width) = rows
+    return StepInputs(size, input_ids, positions, slots, seq_lens, None,
+                      gather_tables(runner, table_rows, width, size))  # fmt: skip
+
+
+def gather_tables(
+    runner: Any, table_rows: np.ndarray, width: int, pad_to: int = 0
+) -> list[np.ndarray]:
+    """The scheduled rows' block tables from the runner's HostBlockTable
+    (padded with rows that read only the dummy blocks), and only the columns
+    some row uses: kernels read a row's entries below its seq_len alone, so
+    stale columns further right are never looked at (and a full-width table
+    is megabytes per step at long max_model_len)."""
+    table = runner.block_table
+    tables = [table.gather(table_rows, width, pad_to, runner.dummy_block)]
+    if runner.keep is not None:
+        tables.append(table.gather_entries(table_rows, width, pad_to, runner.entry_dummy_block))
+    return tables
