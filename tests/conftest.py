@@ -31,6 +31,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests (`pytest.mark.usefixtures`):
+    tiny tensors gain nothing from threads, and on a loaded machine
+    OpenMP's spinning threads make each op ~30x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """A real HF model folder (SmolLM2-135M-Instruct, de-quantized from the GGUF in

@@ -31,15 +31,7 @@ from tinyengine import LLM, SamplingParams
 from tinyengine.kernels.workspace import WorkspaceLockedError
 from tinyengine.worker.cuda_graphs import RecordingGraphBackend, StaleGraphAddressError
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny tensors gain nothing from threads, and on a loaded machine
-    OpenMP's spinning threads make each op ~30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -28,13 +28,7 @@ from tinyengine import LLM, SamplingParams
 from tinyengine.kernels.sampling.reference import gumbel_argmax_torch
 from tinyengine.worker.sampler import Sampler
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

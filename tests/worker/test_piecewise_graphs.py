@@ -33,13 +33,7 @@ from tinyengine.models.layers import PagedAttention
 from tinyengine.worker.cuda_graphs import StaleGraphAddressError
 from tinyengine.worker.piecewise_graphs import PiecewiseGraphs, RecordingPiecewiseBackend
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 PIECEWISE = dict(graph_backend="recording", cudagraph_mode="full_and_piecewise")

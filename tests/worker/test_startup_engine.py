@@ -25,14 +25,7 @@ from tinyengine.worker.startup import (
 ORDER = list(TRANSITIONS)  # load, profile, size_kv, warmup, capture, lock
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny tensors gain nothing from threads, and on a loaded machine
-    OpenMP's spinning threads make each op ~30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------
