@@ -319,7 +319,6 @@ class ModelRunner:
             prof.forward_start()
         b, size = self.buffers, inputs.graph_size
         n, rows, k = inputs.num_tokens, inputs.logits_rows, len(inputs.logits_rows)
-        logits = tokens = None
         if size is not None:
             hidden, logits, tokens = self.graphs.replay(size, self.decode_step(size))
         elif inputs.piecewise_size is not None:

@@ -30,12 +30,9 @@ the torch op set and on CPU):
     seeds. A row that does not filter sees exactly the same kernel inputs on
     both paths, so its token does not depend on which path its batch took.
 
-A decode CUDA graph captures the draw op too (ModelRunner.decode_step): for
-a fast-path batch with no banned token, `stage_graph_draw` writes the rows'
-inverse temperatures and seeds into the graph's persistent inputs before the
-replay, and `finish` collects the graph's tokens (logprobs, the host copy).
-The seeds are drawn as the eager fast path draws them, so a row's token is
-the same either way for the same logits.
+A decode CUDA graph captures the draw op too (ModelRunner.decode_step);
+`stage_graph_draw` gives it a fast-path batch's inputs, with the seeds the
+eager path would draw, so a row's token is the same either way.
 
 Must never:
   * modify the caller's logits (the runner may read them again, and logprobs
@@ -240,21 +237,18 @@ class Sampler:
         inv_temperature: torch.Tensor,
         seeds: torch.Tensor,
     ) -> bool:
-        """Inputs for a draw captured in a decode graph, `draw(logits,
-        inv_temperature, seeds)` over all the graph's rows, of which the
-        first len(params) are this batch's. When the batch takes the fast
-        path with no banned token (the draw reads nothing else), write its
-        rows' inverse temperatures (0 past them: the padding rows take the
-        argmax) and its seeds, drawn exactly as the eager fast path draws
-        them, and return True: the graph's tokens are then this batch's, and
-        `finish` collects them. False (penalties, banned tokens, filters, or
-        no draw op): nothing is written or drawn, and `sample` runs on the
-        graph's logits as on any others."""
+        """Stage the draw a decode graph captured, `draw(logits,
+        inv_temperature, seeds)` over its rows (this batch's first), when the
+        batch takes the fast path with no banned token: write the rows'
+        inverse temperatures (0 for padding: argmax) and seeds, drawn as the
+        eager fast path draws them, and return True; `finish` then collects
+        the graph's tokens. False: nothing written, `sample` runs instead."""
         if self.draw is None or any(p.adjusts_logits for p in params) or any(banned):
             return False
-        greedy, inv_temp = self._fast_path(params, vocab)
-        if inv_temp is None:
+        greedy, filters = self._plan(params, vocab)
+        if filters:
             return False
+        inv_temp = _inverse_temperatures(params, greedy)
         write(inv_temperature, inv_temp, pad_to=inv_temperature.shape[0])
         if not all(greedy):  # greedy rows' seeds are never read
             self._seeds(generators, greedy, out=seeds[: len(params)])
@@ -263,24 +257,18 @@ class Sampler:
     def finish(
         self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
     ) -> PendingSample:
-        """The rest of a step whose tokens a graph's draw chose (after
-        stage_graph_draw returned True): logprobs of the rows that ask, and
-        the copy to the host."""
+        """After a staged graph draw: logprobs and the copy to the host."""
         return self._collect(logits, tokens, params)
 
-    def _fast_path(
-        self, params: list[SamplingParams], vocab: int
-    ) -> tuple[list[bool], list[float] | None]:
-        """Which rows are greedy, and the draw's inverse temperatures when
-        the batch takes the fast path (no sampled row filters; else None)."""
+    def _plan(self, params: list[SamplingParams], vocab: int) -> tuple[list[bool], tuple]:
+        """Which rows are greedy, and the sampled rows' filter needs
+        (filter_needs: max_k, top_p, full_sort, min_p), or () when no sampled
+        row filters: the draw's fast path."""
         greedy = [p.temperature < _GREEDY_EPS for p in params]
         live = [p for p, g in zip(params, greedy, strict=True) if not g]
-        max_k, need_top_p, _, need_min_p = filter_needs(live, vocab)
-        if max_k or need_top_p or need_min_p:
-            return greedy, None
-        return greedy, [
-            0.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy, strict=True)
-        ]
+        needs = filter_needs(live, vocab)
+        max_k, need_top_p, _, need_min_p = needs
+        return greedy, needs if (max_k or need_top_p or need_min_p) else ()
 
     def _sample_fused(
         self,
@@ -294,15 +282,14 @@ class Sampler:
         filter path). `logits`: penalized, `raw`: not (for logprobs)."""
         draw = self.draw
         vocab = logits.shape[-1]
-        greedy, inv_temp = self._fast_path(params, vocab)
+        greedy, filters = self._plan(params, vocab)
         seeds = self._seeds(generators, greedy)
-        if inv_temp is not None:
+        if not filters:
             # Fast path: the logits in their own dtype; a ban copies them once.
-            inv_t = self._to_device(inv_temp, torch.float32)
+            inv_t = self._to_device(_inverse_temperatures(params, greedy), torch.float32)
             tokens = draw(self._ban(logits, banned), inv_t, seeds)
             return self._collect(raw, tokens, params)
-        live = [p for p, g in zip(params, greedy, strict=True) if not g]
-        max_k, need_top_p, full_sort, need_min_p = filter_needs(live, vocab)
+        max_k, need_top_p, full_sort, need_min_p = filters
 
         # Filter path: the torch path's cutoffs (on the fp32 logits divided by
         # the temperature), then the same draw on the raw logits with -inf at
@@ -414,3 +401,8 @@ class Sampler:
         allocator keeps the pinned block alive until the copy is done)."""
         pin = self.device.type == "cuda"
         return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
+
+
+def _inverse_temperatures(params: list[SamplingParams], greedy: list[bool]) -> list[float]:
+    """The fast path's per-row draw input: 1 / temperature, 0 for greedy rows."""
+    return [0.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy, strict=True)]
