@@ -2,8 +2,9 @@
 
 A kernel launched with PDL may start while the one before it still runs, so a
 program that touched its input before `gdc_wait()` would read stale data. The
-chain below is the decode step's dependency pattern (norm -> linear -> fused
-gate_up -> linear -> norm, each reading the previous output), captured in a
+chain below is the decode step's dependency pattern (norm + linear, linear,
+norm + gate_up + activation, linear, norm: each reading the previous
+output, the norms fused into the linears as at batch 1), captured in a
 CUDA graph and replayed with a new input each time: every replay must equal
 the same chain run eagerly without PDL, bit for bit. Then a whole bf16 engine
 with PDL on and off: the same tokens and log-probs.
@@ -28,16 +29,15 @@ pytestmark = [
 
 
 def _chain(x, res, w):
-    from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
+    from tinyengine.kernels.gemv.norm_linear import rms_norm_linear
     from tinyengine.kernels.gemv.triton import skinny_linear
     from tinyengine.kernels.norm.triton import rms_norm_triton
 
-    h, res = rms_norm_triton(x, w["n1"], 1e-6, res)
-    h = skinny_linear(h, w["up"])  # [1, 2048], K = 1024
+    h, res = rms_norm_linear(x, w["n1"], 1e-6, res, w["up"])  # [1, 2048], K = 1024, fused
     h = skinny_linear(h, w["down"])  # [1, 1024], K = 2048
-    h = skinny_linear_silu_mul(h, w["gate_up"])  # [1, 3072]
+    h, res = rms_norm_linear(h, w["n2"], 1e-6, res, w["gate_up"], silu_mul=True)  # [1, 3072]
     h = skinny_linear(h, w["out"])  # [1, 1024], K = 3072
-    return rms_norm_triton(h, w["n2"], 1e-6, res)
+    return rms_norm_triton(h, w["n3"], 1e-6, res)
 
 
 def test_pdl_chain_in_graph_equals_eager_without_pdl(monkeypatch):
@@ -48,7 +48,8 @@ def test_pdl_chain_in_graph_equals_eager_without_pdl(monkeypatch):
             torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) / shape[-1] ** 0.5
         )
 
-    w = {"n1": 1 + rand(1024), "n2": 1 + rand(1024), "up": rand(2048, 1024),
+    w = {"n1": 1 + rand(1024), "n2": 1 + rand(1024), "n3": 1 + rand(1024),
+         "up": rand(2048, 1024),
          "down": rand(1024, 2048), "gate_up": rand(6144, 1024),
          "out": rand(1024, 3072)}  # fmt: skip
     x_in, res_in = rand(1, 1024), rand(1, 1024)

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from tinyengine.kernels.attention.reference import _gather_context
+from tinyengine.kernels.gemv.reference import rms_norm_linear_of
 from tinyengine.kernels.moe import reference as moe_reference
 
 ROWS = 8  # rows per call of every row-wise op and per attention query block
@@ -275,11 +276,13 @@ def batch_invariant_ops(base: Any) -> Any:
     from tinyengine.kernels.batch_invariant_v4 import with_v4_ops  # it imports this module
 
     linear, linear_silu_mul = invariant_linears(base)
+    norm = invariant_rms_norm(base)
     ops = dataclasses.replace(
         base,
         linear=linear,
         linear_silu_mul=linear_silu_mul,
-        rms_norm=invariant_rms_norm(base),
+        rms_norm=norm,
+        rms_norm_linear=rms_norm_linear_of(norm, linear, linear_silu_mul),
         paged_attention=paged_attention,
         mla_decode=mla_decode,
         head_matmul=head_matmul,

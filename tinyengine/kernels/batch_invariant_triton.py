@@ -52,6 +52,7 @@ from tinyengine.kernels.attention.triton import paged_output, prefill_attention
 from tinyengine.kernels.batch_invariant import by_gpu_row_blocks, head_matmul
 from tinyengine.kernels.batch_invariant_v4_triton import with_v4_triton_ops
 from tinyengine.kernels.gemm.triton import matmul
+from tinyengine.kernels.gemv.reference import rms_norm_linear_of
 from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.gemv.triton import MAX_M, _num_sms, skinny_linear
@@ -158,8 +159,11 @@ def mla_decode(
 
 def batch_invariant_triton_ops(base: Any) -> Any:
     """The Triton op set `base` (on a GPU) with its batch-dependent ops replaced."""
+    # The norm + linear pair unfused: the fused launch (one row) and the norm
+    # kernel then a linear (more rows) may round a row's sum of squares apart.
     ops = dataclasses.replace(
         base, linear=linear, linear_silu_mul=linear_silu_mul, paged_attention=paged_attention,
+        rms_norm_linear=rms_norm_linear_of(base.rms_norm, linear, linear_silu_mul),
         mla_decode=mla_decode, head_matmul=head_matmul, row_blocks=by_gpu_row_blocks,
     )  # fmt: skip
     return with_v4_triton_ops(ops)

@@ -48,6 +48,10 @@ class OpSet:
     # projection fused with the activation, linear_silu_mul(x, weight, bias=None)
     linear: Callable[..., torch.Tensor]
     linear_silu_mul: Callable[..., torch.Tensor]
+    # gemv/reference.py: rms_norm_linear(x, norm_weight, eps, residual, weight,
+    # bias=None, *, silu_mul=False) -> (y, new residual), a pre-norm layer's
+    # norm and the linear after it (fused at one row in the Triton set)
+    rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # DeepSeek-V4: compressor/reference.py (write_rows, compress_windows,
     # write_and_compress: both in one), indexer/reference.py (indexer_topk),
     # sparse_attention/reference.py
@@ -110,6 +114,7 @@ def torch_ops() -> OpSet:
         silu_and_mul=activation.silu_and_mul,
         linear=gemv.linear,
         linear_silu_mul=gemv.linear_silu_mul,
+        rms_norm_linear=gemv.rms_norm_linear,
         write_rows=compressor.write_rows,
         compress_windows=compressor.compress_windows,
         write_and_compress=compressor.write_and_compress,
@@ -161,9 +166,11 @@ def triton_ops(device_type: str) -> OpSet:
     if device_type != "cuda":
         return OpSet(
             **common, rms_norm=ref.rms_norm, silu_and_mul=ref.silu_and_mul, linear=ref.linear,
-            linear_silu_mul=ref.linear_silu_mul, sample_draw=None,
+            linear_silu_mul=ref.linear_silu_mul, rms_norm_linear=ref.rms_norm_linear,
+            sample_draw=None,
         )  # fmt: skip
     import tinyengine.kernels.activation.triton as activation
+    import tinyengine.kernels.gemv.norm_linear as norm_linear
     import tinyengine.kernels.gemv.silu as gemv_silu
     import tinyengine.kernels.gemv.triton as gemv
     import tinyengine.kernels.norm.triton as norm
@@ -175,6 +182,7 @@ def triton_ops(device_type: str) -> OpSet:
         silu_and_mul=activation.silu_and_mul_op,
         linear=gemv.linear,
         linear_silu_mul=gemv_silu.linear_silu_mul,
+        rms_norm_linear=norm_linear.rms_norm_linear,
         sample_draw=sampling.gumbel_argmax_triton,
     )
 

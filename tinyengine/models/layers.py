@@ -21,6 +21,7 @@ from tinyengine.models.context import ForwardContext
 from tinyengine.models.parallel_layers import (
     LinearBase,
     ParallelLMHead,
+    RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
 )
@@ -44,6 +45,26 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, ops: OpSet, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+def norm_linear(
+    ops: OpSet,
+    norm: RMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    linear: LinearBase,
+    *,
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear(norm(x [+ residual])) and the new residual (x itself without
+    one) as one op; silu_mul: the linear is a gate_up projection and
+    SiLU-and-mul follows. For linears that do not reduce across ranks
+    (replicated or column-parallel): the op gets the weight, not the module."""
+    if isinstance(linear, RowParallelLinear):
+        raise TypeError("norm_linear: a row-parallel linear all-reduces; call it as a module")
+    return ops.rms_norm_linear(
+        x, norm.weight, norm.eps, residual, linear.weight, linear.bias, silu_mul=silu_mul
+    )
 
 
 class SiluAndMul(nn.Module):

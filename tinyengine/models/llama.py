@@ -25,6 +25,7 @@ from tinyengine.models.layers import (
     PreNormDecoderLayer,
     RMSNorm,
     SiluAndMul,
+    norm_linear,
 )
 from tinyengine.models.parallel_layers import (
     MergedColumnParallelLinear,
@@ -145,8 +146,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states, ctx.ops)
+        return self.attend(positions, self.qkv_proj(hidden_states, ctx.ops), ctx)
+
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """The layer after its qkv projection: [T, q + 2 kv] -> [T, hidden]."""
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -190,6 +196,24 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.mlp = LlamaMLP(args, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """PreNormDecoderLayer's wiring with each norm and the column-parallel
+        linear after it as one op (ops.rms_norm_linear: one launch at batch 1)."""
+        ops = ctx.ops
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = norm_linear(ops, self.input_layernorm, hidden_states, residual,
+                                    attn.qkv_proj)  # fmt: skip
+        hidden_states = attn.attend(positions, qkv, ctx)
+        act, residual = norm_linear(ops, self.post_attention_layernorm, hidden_states, residual,
+                                    mlp.gate_up_proj, silu_mul=True)  # fmt: skip
+        return mlp.down_proj(act, ops), residual
 
 
 class LlamaModel(DecoderStack):

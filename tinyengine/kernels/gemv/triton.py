@@ -36,6 +36,8 @@ sweep, `linear` never does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -47,6 +49,20 @@ from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
 
 MAX_M = 8
+
+
+@dataclass(frozen=True)
+class NormPrologue:
+    """The RMSNorm a skinny launch applies to its one-row x first
+    (gemv/norm_linear.py): the norm weight and eps, and with a residual,
+    where program 0 stores x + residual."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: tests only
 _DISPATCH_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -107,25 +123,58 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @device_fn
-def _fma_step(acc2, w, xk, REDUCE_EACH_STEP: tl.constexpr):
-    """One K step of the FMA loop: fp32 products of a weight tile
-    [BLOCK_N, BLOCK_K] and an x chunk [BLOCK_K] into the accumulator."""
-    prod = w.to(tl.float32) * xk.to(tl.float32)[None, :]
-    if REDUCE_EACH_STEP:
-        return acc2 + tl.sum(prod, axis=1, keep_dims=True)
-    return acc2 + prod
+def _k_step(
+    acc, w, xk,
+    USE_DOT: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One K step: a weight tile [BLOCK_N, BLOCK_K] times an x chunk
+    [BLOCK_M, BLOCK_K] into the accumulator (DOT: the MMA with x^T as its B
+    operand; FMA, BLOCK_M == 1: fp32 products)."""
+    # Both branches end in one return: Triton compiles the code after a
+    # constexpr-if's early return for the taken branch too.
+    if USE_DOT:
+        if UPCAST:  # the interpreter computes bf16 dots wrongly; fp32 is exact
+            w = w.to(tl.float32)
+            xk = xk.to(tl.float32)
+        acc = tl.dot(w, tl.trans(xk), acc, input_precision=DOT_PRECISION)
+    elif REDUCE_EACH_STEP:
+        acc += tl.sum(w.to(tl.float32) * xk.to(tl.float32), axis=1, keep_dims=True)
+    else:
+        acc += w.to(tl.float32) * xk.to(tl.float32)
+    return acc
+
+
+@device_fn
+def _rms_normed_row(
+    x_ptrs, res_ptr, res_out_ptr, nw, offs_k, k_ok, K, eps, pid, HAS_RESIDUAL: tl.constexpr
+):  # fmt: skip
+    """RMSNorm of the row x [1, BLOCK_K] (+ residual) times the norm weight
+    nw (fp32), rounded step for step as norm/triton.py's kernel rounds it;
+    program 0 stores the sum x + residual (the new residual)."""
+    x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_k[None, :], mask=k_ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if pid == 0:
+            tl.store(res_out_ptr + offs_k[None, :], x, mask=k_ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1, keep_dims=True) / K + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)  # HF rounds before the weight
+    return (normed * nw).to(x.dtype)
 
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, K,
+    x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, res_ptr, res_out_ptr,
+    M, N, K, eps,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
     LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     FUSE_SILU_MUL: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    NORM: tl.constexpr = False, NORM_RESIDUAL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (cdiv(N, BLOCK_N),): program p computes out[:, p*BLOCK_N : +BLOCK_N]
     over the whole K. Rows past N are wrapped (not masked) so weight loads stay
@@ -144,7 +193,13 @@ def _skinny_gemm_kernel(
     step of the weight (never written by a step's kernels) at once, then waits
     for the previous kernel with gdc_wait before it touches x or stores, and
     lets the next kernel start. With a one-step tile (K <= BLOCK_K) the whole
-    weight slice is in flight before the wait."""
+    weight slice is in flight before the wait.
+
+    NORM (M == 1, one K step: K <= BLOCK_K): x is RMSNorm's input, not the
+    linear's. Every program normalizes the row itself (norm weight nw, eps;
+    NORM_RESIDUAL: x + residual first, which program 0 stores to res_out),
+    rounding as norm/triton.py's kernel does, and multiplies that row: the
+    norm kernel and its launch are gone from the step."""
     pid = tl.program_id(0)
     if FUSE_SILU_MUL:
         offs_r = tl.arange(0, BLOCK_N)
@@ -167,66 +222,55 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     m_mask = offs_m[:, None] < M
 
+    # FMA (M == 1, BLOCK_M == 1): elementwise products into a [BLOCK_N,
+    # BLOCK_K] accumulator, one cross-thread reduction at the very end (or,
+    # REDUCE_EACH_STEP, a [BLOCK_N] accumulator: fewer registers, a reduction
+    # per step). DOT: a [BLOCK_N, BLOCK_M] MMA accumulator.
     if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif REDUCE_EACH_STEP:
+        acc = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_first = 0
+    if USE_PDL or NORM:  # the first step peeled: its weight loads go out before the wait
+        k_ok = offs_k[None, :] < K
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
         if USE_PDL:
             gdc_wait()
             gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-            if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-                xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
-            else:
-                k_mask = (k0 + offs_k) < K
-                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-                xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
-            if UPCAST:  # the interpreter computes bf16 dots wrongly; fp32 is exact
-                w = w.to(tl.float32)
-                xk = xk.to(tl.float32)
-            acc = tl.dot(w, tl.trans(xk), acc, input_precision=DOT_PRECISION)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+        if NORM:
+            xk = _rms_normed_row(
+                x_ptrs, res_ptr, res_out_ptr, nw, offs_k, k_ok, K, eps, pid, NORM_RESIDUAL
+            )
+        else:
+            xk = tl.load(x_ptrs, mask=m_mask & k_ok, other=0.0)
+        acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_first = BLOCK_K
+    # Software-pipelined over LOOP_STAGES (FMA: cp.async into shared memory
+    # only when asked explicitly; LOOP_STAGES == 1 keeps plain register loads).
+    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=LOOP_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
+        acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
         res = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
-        # M == 1 (BLOCK_M == 1): elementwise products into a 2-D accumulator,
-        # one cross-thread reduction at the very end (or, REDUCE_EACH_STEP, a
-        # [BLOCK_N] accumulator: fewer registers, a reduction per step).
-        if REDUCE_EACH_STEP:
-            acc2 = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
-        else:
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        x_row = x_ptr + offs_k
-        k_first = 0
-        if USE_PDL:  # the first step peeled: its weight loads go out before the wait
-            if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-            else:
-                k_mask = offs_k < K
-                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            gdc_wait()
-            gdc_launch_dependents()
-            if EVEN_K:
-                xk = tl.load(x_row)
-            else:
-                xk = tl.load(x_row, mask=k_mask, other=0.0)
-            acc2 = _fma_step(acc2, w, xk, REDUCE_EACH_STEP)
-            w_ptrs += BLOCK_K
-            x_row += BLOCK_K
-            k_first = BLOCK_K
-        # The FMA loop is software-pipelined (cp.async into shared memory) only
-        # when asked explicitly: LOOP_STAGES == 1 keeps plain register loads.
-        for k0 in tl.range(k_first, K, BLOCK_K, num_stages=LOOP_STAGES):
-            if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-                xk = tl.load(x_row)
-            else:
-                k_mask = (k0 + offs_k) < K
-                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-                xk = tl.load(x_row, mask=k_mask, other=0.0)
-            acc2 = _fma_step(acc2, w, xk, REDUCE_EACH_STEP)
-            w_ptrs += BLOCK_K
-            x_row += BLOCK_K
-        res = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+        res = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
 
     if HAS_BIAS:
         if FUSE_SILU_MUL:
@@ -300,8 +344,10 @@ def _launch(
     n: int,
     cfg: GemvConfig,
     fuse_silu_mul: bool,
+    norm: NormPrologue | None = None,
 ) -> None:
-    """One _skinny_gemm_kernel launch over n output columns (checked args)."""
+    """One _skinny_gemm_kernel launch over n output columns (checked args).
+    `norm`: x is RMSNorm's input (the NORM prologue; one K step, M == 1)."""
     m, k = x.shape
     use_dot = cfg.use_dot
     block_m = 16 if use_dot else 1  # tl.dot's smallest N
@@ -309,15 +355,19 @@ def _launch(
     block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
     cols = block_n // 2 if fuse_silu_mul else block_n  # output columns per program
     grid = (triton.cdiv(n, cols),)
+    if norm is not None and (use_dot or m != 1 or block_k < k):
+        raise ValueError("skinny GEMM: the RMSNorm prologue needs M == 1 and one K step")
+    nw, res, res_out = (norm.weight, norm.residual, norm.residual_out) if norm else (x, None, None)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
-        m, n, k,
+        nw, res if res is not None else x, res_out if res_out is not None else x,
+        m, n, k, norm.eps if norm else 0.0,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n % cols == 0, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, REDUCE_EACH_STEP=cfg.reduce_each_step and not use_dot,
         LOOP_STAGES=cfg.num_stages, UPCAST=interpreting(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
-        FUSE_SILU_MUL=fuse_silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_kwargs(x.device),
+        FUSE_SILU_MUL=fuse_silu_mul, NORM=norm is not None, NORM_RESIDUAL=res is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device),
     )  # fmt: skip

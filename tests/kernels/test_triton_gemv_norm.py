@@ -1,0 +1,186 @@
+"""RMSNorm fused into the skinny GEMM (tinyengine/kernels/gemv/norm_linear.py,
+M == 1, one K step) vs the two launches it replaces (the norm kernel, then
+the skinny kernel with the same tile) and vs the torch reference; the
+`rms_norm_linear` dispatcher; and the op sets' `rms_norm_linear`. On CPU the
+kernels run under the Triton interpreter (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tinyengine.kernels.gemv.norm_linear as norm_linear
+from tinyengine.kernels import torch_ops
+from tinyengine.kernels.batch_invariant import batch_invariant_ops
+from tinyengine.kernels.gemv.reference import rms_norm_linear as rms_norm_linear_ref
+from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
+from tinyengine.kernels.gemv.tiles import pick_config
+from tinyengine.kernels.gemv.triton import _num_sms, skinny_linear
+from tinyengine.kernels.norm.triton import rms_norm_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def _problem(n: int, k: int, dtype: torch.dtype, bias: bool, residual: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 7919 + n * 1000 + k)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+    x = rand(1, k, scale=3.0)
+    res = rand(1, k) if residual else None
+    nw = rand(k, scale=0.2) + 1.0
+    w = rand(n, k, scale=2 / k**0.5)
+    b = rand(n) if bias else None
+    return x, res, nw, w, b
+
+
+def _two_launches(x, nw, res, w, b, silu_mul):
+    """The norm kernel, then the skinny kernel with the tile the fused launch uses."""
+    if res is None:
+        h, new_res = rms_norm_triton(x, nw, EPS), x
+    else:
+        h, new_res = rms_norm_triton(x, nw, EPS, res)
+    cfg = pick_config(1, w.shape[0], w.shape[1], _num_sms(x.device))
+    linear = skinny_linear_silu_mul if silu_mul else skinny_linear
+    return linear(h, w, b, config=cfg), new_res
+
+
+# Exact under the interpreter; on the GPU the fused tile's sum of squares may
+# be reduced in another order than the norm kernel's, so one step is allowed.
+MAX_DIFF = {torch.float32: 0.0, torch.bfloat16: 0.0} if DEVICE == "cpu" else {
+    torch.float32: 1e-5, torch.bfloat16: 2**-6}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(37, 100), (64, 128), (24, 256)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_fused_equals_norm_then_linear(dtype, n, k, residual, silu_mul):
+    x, res, nw, w, b = _problem(2 * n, k, dtype, bias=residual, residual=residual)
+    x_before = x.clone()
+    y, new_res = norm_linear.skinny_rms_norm_linear(x, nw, EPS, res, w, b, silu_mul=silu_mul)
+    want, want_res = _two_launches(x, nw, res, w, b, silu_mul)
+    assert torch.equal(x, x_before), "the input row was written"
+    assert torch.equal(new_res, want_res), "the new residual is x + residual, rounded once"
+    if res is None:
+        assert new_res is x
+    assert y.shape == want.shape == (1, n if silu_mul else 2 * n)
+    diff = (y.float() - want.float()).abs().max().item()
+    assert diff <= MAX_DIFF[dtype] * max(1.0, want.float().abs().max().item())
+    ref, ref_res = rms_norm_linear_ref(x, nw, EPS, res, w, b, silu_mul=silu_mul)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    # (The interpreter rounds fp32 -> bf16 its own way, so bf16 sums may
+    # differ from torch's by a step there.)
+    assert torch.allclose(new_res.float(), ref_res.float(), rtol=tol, atol=0)
+    assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_fused_launch_refuses_what_it_cannot_do():
+    x, res, nw, w, b = _problem(16, 64, torch.float32, bias=False, residual=True)
+    with pytest.raises(ValueError, match="one row"):
+        norm_linear.skinny_rms_norm_linear(x.repeat(2, 1), nw, EPS, res.repeat(2, 1), w)
+    with pytest.raises(ValueError, match="even row count"):
+        norm_linear.skinny_rms_norm_linear(x, nw, EPS, res, w[:15], silu_mul=True)
+    big = 2 * 8192  # past ONE_STEP_MAX_K: the row needs more than one K step
+    xb = torch.randn(1, big, device=DEVICE)
+    with pytest.raises(ValueError, match="one tile step"):
+        norm_linear.skinny_rms_norm_linear(xb, torch.ones(big, device=DEVICE), EPS, None,
+                                           torch.randn(4, big, device=DEVICE))  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dispatcher_matches_reference(rows, monkeypatch):
+    """Off the GPU, and for more than one row, the dispatcher runs the norm
+    kernel and the linear, never the fused launch."""
+    if DEVICE == "cpu" or rows > 1:
+
+        def boom(*args, **kwargs):
+            raise AssertionError("the fused launch ran")
+
+        monkeypatch.setattr(norm_linear, "skinny_rms_norm_linear", boom)
+    g = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = torch.randn(rows, 96, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(rows, 96, generator=g).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEVICE)
+    w = (torch.randn(40, 96, generator=g) / 10).to(dtype).to(DEVICE)
+    for silu_mul in (False, True):
+        y, new_res = norm_linear.rms_norm_linear(x, nw, EPS, res, w, silu_mul=silu_mul)
+        ref, ref_res = rms_norm_linear_ref(x, nw, EPS, res, w, silu_mul=silu_mul)
+        assert torch.equal(new_res, ref_res)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_invariant_set_rows_do_not_depend_on_the_batch():
+    """The batch-invariant set composes its own norm and linears: a row's
+    result is the same alone or among others."""
+    ops = batch_invariant_ops(torch_ops())
+    g = torch.Generator().manual_seed(5)
+    x, res = torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
+    nw, w = 1 + 0.1 * torch.randn(64, generator=g), torch.randn(48, 64, generator=g) / 8
+    for silu_mul in (False, True):
+        y, new_res = ops.rms_norm_linear(x, nw, EPS, res, w, silu_mul=silu_mul)
+        for i in (0, 4):
+            yi, ri = ops.rms_norm_linear(x[i : i + 1], nw, EPS, res[i : i + 1], w,
+                                         silu_mul=silu_mul)  # fmt: skip
+            assert torch.equal(yi[0], y[i]) and torch.equal(ri[0], new_res[i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (2048, 2048), (1024, 3072)])
+def test_gpu_model_shapes(n, k):
+    """Qwen3-0.6B's norm + linear pairs (and wider K) at bf16 on the GPU."""
+    for silu_mul in (False, True):
+        x, res, nw, w, b = _problem(n, k, torch.bfloat16, bias=False, residual=True)
+        y, new_res = norm_linear.rms_norm_linear(x, nw, EPS, res, w, silu_mul=silu_mul)
+        want, want_res = _two_launches(x, nw, res, w, None, silu_mul)
+        assert torch.equal(new_res, want_res)
+        diff = (y.float() - want.float()).abs().max().item()
+        assert diff <= 2**-6 * max(1.0, want.float().abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_and_without_the_fused_norm(tmp_path, monkeypatch):
+    """A bf16 Qwen3 (q/k norms, GQA) decoding with CUDA graphs: the fused
+    norm + linear against the norm kernel then the linear. Greedy tokens
+    equal; log-probs within bf16 noise (a sum of squares reduced in another
+    order can move a normalized value by one bf16 step)."""
+    from tests.hf_models import make_tiny_hf_model
+    from tinyengine import LLM, SamplingParams
+
+    # Wide enough that both pairs fuse (4+ weight rows a program at 132 SMs).
+    path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", hidden_size=1024,
+                              intermediate_size=1024, num_attention_heads=16,
+                              num_key_value_heads=2, head_dim=64)  # fmt: skip
+    launches = []
+    fused_launch = norm_linear.skinny_rms_norm_linear
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("silu_mul", False))
+        return fused_launch(*args, **kwargs)
+
+    monkeypatch.setattr(norm_linear, "skinny_rms_norm_linear", counted)
+    prompts = [{"prompt_token_ids": [3 + i, 41, 7 * i + 2, 19] * (4 + i)} for i in range(3)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=2)
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(norm_linear, "_fusable", lambda *args: False)
+        llm = LLM(str(path), dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                  print_startup_report=False)  # fmt: skip
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+        torch.cuda.empty_cache()
+    assert set(launches) == {False, True}, "the fused launch ran for both pairs"
+    # A random tiny model's next-token distribution is nearly flat, so the
+    # runs may part at a near tie; up to there every step agrees.
+    for a, b in zip(*runs, strict=True):
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
+            if ta != tb:
+                assert tb in la, "the other run's token is not even second here"
+                assert la[ta].logprob - la[tb].logprob < 0.05, "parted where no tie was"
+                break
+            assert abs(la[ta].logprob - lb[tb].logprob) < 0.05

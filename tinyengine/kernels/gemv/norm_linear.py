@@ -1,0 +1,108 @@
+"""RMSNorm fused into the linear layer after it, for batch-1 decode: the
+Triton op set's `rms_norm_linear`, with the signature of gemv/reference.py's
+
+    rms_norm_linear(x [M, K], norm_weight [K], eps, residual [M, K] | None,
+                    weight [N, K], bias [N] | None, *, silu_mul=False)
+        -> (linear(rms_norm(x + residual)), x + residual)
+
+(silu_mul: the linear is a gate_up projection followed by SiLU-and-mul, as
+`linear_silu_mul`). A pre-norm decoder layer runs norm -> linear twice, and
+at one row the norm is a launch of its own that reads 2 KB and sits on the
+step's critical path. Here the skinny GEMM (gemv/triton.py, its NORM
+prologue) does it: every program loads the whole row (one K step), forms
+x + residual, normalizes it with the norm kernel's rounding steps, and
+multiplies; program 0 stores the new residual. Only where one K step holds
+the row (K <= gemv/tiles.py's ONE_STEP_MAX_K) with 4 or more weight rows a
+program (K <= 2048; below that the row's bytes rival the weight's) and the
+skinny kernel applies;
+everything else runs the Triton norm and then the linear, the same numbers
+up to the order of one fp32 sum of squares.
+
+Graph-safe like the skinny kernel: host ints only, nothing allocated but
+the outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import tinyengine.kernels.gemv.silu as gemv_silu
+import tinyengine.kernels.gemv.triton as gemv
+from tinyengine.kernels.gemv.reference import rms_norm_linear_of
+from tinyengine.kernels.gemv.tiles import pick_config
+from tinyengine.kernels.norm.triton import rms_norm
+
+MIN_FUSED_BLOCK_N = 4
+# Where the fused launch does not apply: the Triton norm, then the linear.
+_unfused = rms_norm_linear_of(rms_norm, gemv.linear, gemv_silu.linear_silu_mul)
+
+
+def _fusable(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None,
+             weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> bool:  # fmt: skip
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
+        return False
+    if not gemv.skinny_linear_ok(x, weight, bias):
+        return False
+    k = x.shape[1]
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):  # fmt: skip
+        return False
+    if silu_mul and weight.shape[0] % 2:
+        return False
+    cfg = pick_config(1, weight.shape[0], k, gemv._num_sms(x.device))
+    # Each program reads the row (and the residual) whole: 2K elements beside
+    # its BLOCK_N x K of weight. At BLOCK_N < 4 that is half of its bytes or
+    # more (from L2, but on the step's critical path), so those stay unfused.
+    return cfg.block_k >= k and cfg.block_n >= MIN_FUSED_BLOCK_N
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x
+    itself without one): one skinny launch where it applies, else the norm
+    kernel and then the linear."""
+    if not _fusable(x, norm_weight, residual, weight, bias, silu_mul):
+        return _unfused(x, norm_weight, eps, residual, weight, bias, silu_mul=silu_mul)
+    return skinny_rms_norm_linear(x, norm_weight, eps, residual, weight, bias, silu_mul=silu_mul)
+
+
+def skinny_rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused launch (rms_norm_linear's contract) for a one-row x whose
+    K fits one step of the tile pick_config gives; raises otherwise."""
+    gemv.check_operands("skinny_rms_norm_linear", "x [1, K], weight [N, K]", x, weight, bias)
+    m, k = x.shape
+    n_rows = weight.shape[0]
+    cfg = pick_config(1, n_rows, k, gemv._num_sms(x.device))
+    if m != 1 or cfg.use_dot or cfg.block_k < k:
+        raise ValueError(
+            f"skinny_rms_norm_linear: needs one row and K <= one tile step; got x "
+            f"{tuple(x.shape)} and the tile {cfg}"
+        )
+    if silu_mul and n_rows % 2:
+        raise ValueError(f"skinny_rms_norm_linear: gate_up needs an even row count, got {n_rows}")
+    n = n_rows // 2 if silu_mul else n_rows
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    norm = gemv.NormPrologue(norm_weight, eps, residual, residual_out)
+    if n > 0:
+        gemv._launch(x, weight, bias, out, n, cfg, fuse_silu_mul=silu_mul, norm=norm)
+    return out, residual_out if residual_out is not None else x
