@@ -197,10 +197,20 @@ def test_op_sets_hold_their_own_implementations():
         if name in reference_only:
             assert triton_op is op and getattr(cpu_set, name) is op, name
             continue
-        assert triton_op.__module__.split(".")[-1] in ("triton", "silu"), (name, triton_op)
+        assert triton_op.__module__.split(".")[-1] in ("triton", "silu", "norm_linear"), (
+            name,
+            triton_op,
+        )
     for name in ("write_kv_cache", "paged_attention", "rope_write_kv", "mla_decode", "fused_moe"):
         assert getattr(cpu_set, name) is getattr(cuda_set, name)
-    for name in ("rms_norm", "silu_and_mul", "linear", "linear_silu_mul", "sample_draw"):
+    for name in (
+        "rms_norm",
+        "silu_and_mul",
+        "linear",
+        "linear_silu_mul",
+        "rms_norm_linear",
+        "sample_draw",
+    ):
         assert getattr(cpu_set, name) is getattr(torch_set, name)
 
 
