@@ -20,7 +20,8 @@ from tests.hf_deepseek import make_tiny_deepseek
 from tests.hf_deepseek_v4 import make_tiny_v4
 from tests.hf_models import make_tiny_hf_model
 from tinyengine import LLM, SamplingParams
-from tinyengine.models.layers import CausalLM, PreNormDecoderLayer
+from tinyengine.models.layers import CausalLM
+from tinyengine.models.llama import LlamaDecoderLayer
 
 LIGHT = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
              print_startup_report=False)  # fmt: skip
@@ -53,13 +54,13 @@ def test_shape_runs_size_the_arena_as_every_layer_would(tmp_path, monkeypatch):
                   attention_backend="triton", graph_backend="recording",
                   cuda_graph_sizes=[1, 2], print_startup_report=False)  # fmt: skip
     calls: Counter = Counter()  # decoder layer -> forwards during startup
-    forward = PreNormDecoderLayer.forward
+    forward = LlamaDecoderLayer.forward
 
     def counted(self, *args, **kwargs):
         calls[self] += 1
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(PreNormDecoderLayer, "forward", counted)
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
     runs = {}
     for every_layer in (False, True):
         if every_layer:
