@@ -80,6 +80,11 @@ class EngineConfig:
     # ... 512 (each at most 1.5x the last), then every 256 up to 2048, up to
     # max_num_batched_tokens.
     piecewise_graph_sizes: list[int] | None = None
+    # Threads that compile Triton kernels during startup (worker/precompile.py:
+    # a dry run of the startup's dummy forwards hands every kernel variant
+    # to them at once). None: one per CPU core, up to 16; 0 or 1: each
+    # variant compiles at its first launch, one after another.
+    compile_threads: int | None = None
     # Print the startup state machine's report (a small table) when READY.
     print_startup_report: bool = True
     # Time each step's phases (schedule, prepare, forward on the GPU, sample,
@@ -170,6 +175,11 @@ class EngineConfig:
             raise bad("cpu_kv_cache_gib", "must be > 0")
         if self.graph_backend not in _GRAPH_BACKENDS:
             raise bad("graph_backend", f"must be one of {_GRAPH_BACKENDS}")
+        threads = self.compile_threads
+        if threads is not None and (
+            not isinstance(threads, int) or isinstance(threads, bool) or threads < 0
+        ):
+            raise bad("compile_threads", "must be an integer >= 0 or None")
         if self.cudagraph_mode not in _CUDAGRAPH_MODES:
             raise bad("cudagraph_mode", f"must be one of {_CUDAGRAPH_MODES}")
         sizes = self.piecewise_graph_sizes

@@ -34,6 +34,12 @@ from tinyengine.models.loader import load_hf_config
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.worker.graph_capture import run_piecewise_shape
 from tinyengine.worker.kv_cache import sliding_blocks_wanted, sliding_bytes
+from tinyengine.worker.precompile import (
+    decode_shape_sizes,
+    largest_decode,
+    largest_prefill,
+    precompile,
+)
 from tinyengine.worker.runner import ModelRunner
 from tinyengine.worker.warmup import light_startup, run_warmup
 
@@ -81,8 +87,11 @@ class StartupStages:
         runner = self.runner
         cfg, device = runner.config, runner.device
         runner.allocate_kv_cache(0)
-        max_len = runner.max_model_len
 
+        # 0. On a GPU with the Triton ops, a dry run of every dummy forward the
+        #    startup will run (worker/precompile.py): their kernels compile in
+        #    parallel threads now instead of one by one at first launch below.
+        precompile(runner)
         # 1. The largest prefill step: max_num_batched_tokens tokens in sequences
         #    no longer than max_model_len (and no more than max_num_seqs of them).
         #    Skipped by a light startup (CPU, torch op set; worker/warmup.py):
@@ -95,12 +104,7 @@ class StartupStages:
         peak = 0
         if not light_startup(runner):
             mark = _memory_mark(device)
-            num_seqs = min(-(-cfg.max_num_batched_tokens // max_len), cfg.max_num_seqs)
-            q_lens = _split(min(cfg.max_num_batched_tokens, num_seqs * max_len), num_seqs)
-            hidden = runner.dummy_forward(q_lens)
-            ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
-            runner.model.compute_logits(hidden[ends], runner.ops)
-            del hidden
+            largest_prefill(runner)
             peak = _peak_since(device, mark)
 
         # 2. The largest decode step: max_num_seqs rows, one of them at
@@ -111,27 +115,17 @@ class StartupStages:
         #    capture turns any request beyond it into a WorkspaceLockedError.
         mark = _memory_mark(device)
         rows = cfg.max_num_seqs
-        hidden = runner.dummy_forward([1] * rows, [max_len] + [1] * (rows - 1))
-        logits = runner.model.compute_logits(hidden, runner.ops)
+        logits = largest_decode(runner)
         params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logprobs=5)]
         runner.sampler(logits, params * rows, [None] * rows, [[] for _ in range(rows)])
-        del hidden, logits
-        # 3. Every decode batch size a step can have. A decode batch that a
-        #    captured graph fits is padded to that graph's size, so below the
-        #    largest captured size only the captured sizes occur; above it (all
-        #    sizes when nothing is captured) a batch runs eagerly at its own
-        #    size. With the Triton kernels each of those is run, since split-KV
-        #    scratch is not monotonic in the batch size (a small batch splits
-        #    the context more ways); max_model_len context is the worst for each.
-        #    Each is a shape run (ForwardContext.running_only): one layer of each
-        #    kind, whose kernels and scratch every layer of that kind shares.
-        #    These runs also compile every decode graph's kernels before
-        #    capture (warmup does not repeat them).
-        captured = runner.graph_sizes()
-        sizes = set(captured)
-        if runner.ops.name == "triton":
-            sizes.update(range(max(captured, default=0) + 1, cfg.max_num_seqs + 1))
-        for size in sorted(sizes):
+        del logits
+        # 3. Every decode batch size a step can have (decode_shape_sizes),
+        #    max_model_len context being the worst for each. Each is a shape
+        #    run (ForwardContext.running_only): one layer of each kind, whose
+        #    kernels and scratch every layer of that kind shares. These runs
+        #    also compile every decode graph's kernels before capture (warmup
+        #    does not repeat them).
+        for size in decode_shape_sizes(runner):
             runner.run_decode_shape(size)
         decode_peak = _peak_since(device, mark)
         # 4. The largest piecewise-graph step (none on a light startup, whose
@@ -254,7 +248,3 @@ def _peak_since(device: torch.device, mark: int) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - mark
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - mark, 0)
-
-
-def _split(total: int, parts: int) -> list[int]:
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]

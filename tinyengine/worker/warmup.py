@@ -92,32 +92,9 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
     max_steps = 10 * (num_seqs * prompt_len // cfg.max_num_batched_tokens + max_tokens + 2)
     _serve(runner, scheduler, requests, max_steps)
 
-    # Triton picks its prefill tile by the step's longest query, so one
-    # prefill per power-of-two query length compiles every tile class now
-    # rather than on some user's first request after startup. A length that
-    # a piecewise shape below runs as one sequence is left to it: the same
-    # forward over the same inputs (worker/graph_capture.py's piecewise_rows).
     pieces = set() if light else set(runner.piecewise_graph_sizes())
     if runner.ops.name == "triton":
-        longest = min(cfg.max_num_batched_tokens, runner.max_model_len - 1)
-        q_len = 2
-        while q_len < 2 * longest:
-            q = min(q_len, longest)
-            if q not in pieces:
-                runner.dummy_forward([q])
-            q_len *= 2
-        # Kernels that pick tiles by the step's token count (the fused MoE's
-        # size classes) name the counts to run; a class may start beyond
-        # max_model_len, where only multi-sequence steps reach. Only on the
-        # GPU: under the CPU interpreter nothing compiles, a class costs a
-        # whole interpreted prefill, and profile's worst prefill has sized
-        # the arena already.
-        if runner.device.type == "cuda":
-            for tokens in runner.model.warmup_token_counts(cfg.max_num_batched_tokens):
-                seqs = -(-tokens // max(longest, 1))
-                if seqs <= cfg.max_num_seqs:
-                    rows = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
-                    runner.dummy_forward(rows)
+        run_prefill_classes(runner, pieces)
 
     # One eager run of every piecewise shape that will be captured, through
     # the very step capture will record, one layer of each kind (what a shape
@@ -133,6 +110,37 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
 
     runner.zero_kv_cache()
     runner.request_sampling.generators.clear()
+
+
+def run_prefill_classes(runner: ModelRunner, pieces: set[int]) -> None:
+    """One dummy prefill per kernel size class a real prefill may meet
+    (Triton ops), so each compiles now rather than on some user's first
+    request after startup."""
+    cfg = runner.config
+    # Triton picks its prefill tile by the step's longest query, so one
+    # prefill per power-of-two query length reaches every tile class. A
+    # length that a piecewise shape runs as one sequence (`pieces`) is left
+    # to it: the same forward over the same inputs (worker/graph_capture.py's
+    # piecewise_rows).
+    longest = min(cfg.max_num_batched_tokens, runner.max_model_len - 1)
+    q_len = 2
+    while q_len < 2 * longest:
+        q = min(q_len, longest)
+        if q not in pieces:
+            runner.dummy_forward([q])
+        q_len *= 2
+    # Kernels that pick tiles by the step's token count (the fused MoE's
+    # size classes) name the counts to run; a class may start beyond
+    # max_model_len, where only multi-sequence steps reach. Only on the
+    # GPU: under the CPU interpreter nothing compiles, a class costs a
+    # whole interpreted prefill, and profile's worst prefill has sized
+    # the arena already.
+    if runner.device.type == "cuda":
+        for tokens in runner.model.warmup_token_counts(cfg.max_num_batched_tokens):
+            seqs = -(-tokens // max(longest, 1))
+            if seqs <= cfg.max_num_seqs:
+                rows = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+                runner.dummy_forward(rows)
 
 
 def _serve(

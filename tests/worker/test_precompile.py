@@ -1,0 +1,98 @@
+"""Precompile (worker/precompile.py, kernels/compile_ahead.py): profile's dry
+run of the startup's dummy forwards, whose Triton kernels compile in parallel
+threads instead of running.
+
+On the GPU, each architecture in a fresh process with an empty Triton cache:
+  * every variant compiles in profile (the dry run hands them all to the
+    pool): warmup, capture and serving compile none;
+  * the dry run leaves nothing behind: greedy tokens and logprobs equal those
+    of an engine started with compile_threads=0 (each variant compiled at its
+    first launch, nothing run dry).
+On the CPU: the setting's validation and resolution, and that nothing runs
+dry off the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.hf_deepseek import make_tiny_deepseek
+from tests.hf_deepseek_v4 import make_tiny_v4
+from tests.hf_models import make_tiny_hf_model
+from tinyengine import LLM
+from tinyengine.config import EngineConfig
+from tinyengine.worker.precompile import compile_threads
+
+
+def test_compile_threads_setting():
+    assert compile_threads(0) == 0 and compile_threads(5) == 5
+    assert 1 <= compile_threads(None) <= 16
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="compile_threads"):
+            EngineConfig(model="m", compile_threads=bad)
+
+
+def test_nothing_runs_dry_on_cpu(tmp_path, monkeypatch):
+    """Off the GPU Triton compiles nothing: profile never enters the dry run."""
+    import tinyengine.kernels.compile_ahead as compile_ahead
+
+    def refuse(threads):
+        raise AssertionError("compile_ahead entered on a CPU")
+
+    monkeypatch.setattr(compile_ahead, "compile_ahead", refuse)
+    path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", num_hidden_layers=1)
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=2, compile_threads=4,
+              print_startup_report=False)  # fmt: skip
+    assert llm.startup_report().stages
+
+
+_STARTUP = """
+import json, sys
+from tinyengine import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+          compile_threads=int(sys.argv[2]), print_startup_report=False)
+kernels = {s.name: s.kernels for s in llm.startup_report().stages}
+prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 90)]
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                            logprobs=1), use_tqdm=False)
+print(json.dumps({
+    "kernels": kernels,
+    "after_ready": llm.stats()["jit_compiles_after_ready"],
+    "tokens": [o.outputs[0].token_ids for o in outs],
+    "logprobs": [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                 for o in outs],
+}))
+"""
+
+
+def _start(path, threads: int, cache) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    run = subprocess.run([sys.executable, "-c", _STARTUP, str(path), str(threads)], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek-v3", "deepseek-v4"])
+def test_gpu_precompile_compiles_everything_in_profile(tmp_path, arch):
+    if arch == "qwen3":
+        path = make_tiny_hf_model("qwen3", tmp_path / arch, num_hidden_layers=4)
+    elif arch == "deepseek-v3":
+        path = make_tiny_deepseek("v3", tmp_path / arch, num_hidden_layers=4)
+    else:
+        path = make_tiny_v4(tmp_path / arch, num_hidden_layers=3,
+                            layer_types=["sliding_attention", "compressed_sparse_attention",
+                                         "heavily_compressed_attention"])  # fmt: skip
+    dry = _start(path, 8, tmp_path / "cache_dry")
+    assert dry["kernels"]["profile"] > 0
+    assert dry["kernels"]["warmup"] == 0 and dry["kernels"]["capture"] == 0, dry["kernels"]
+    assert dry["after_ready"] == 0
+    plain = _start(path, 0, tmp_path / "cache_plain")
+    assert dry["tokens"] == plain["tokens"]
+    assert dry["logprobs"] == plain["logprobs"]

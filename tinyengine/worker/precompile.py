@@ -1,0 +1,96 @@
+"""Precompile: profile's first act on a GPU with the Triton ops, a dry run of
+every dummy forward the startup will run, whose Triton kernels compile in
+parallel threads instead of running (kernels/compile_ahead.py).
+
+The startup's dummy forwards (profile's worst prefill and decode steps and
+its decode-size shape runs, warmup's prefill size classes and piecewise
+shape runs) meet every kernel variant serving needs. Run for real, they
+compile those variants one at a time at their first launch, which is most
+of an empty-cache start. Run here first with launches turned into compiles,
+they hand every variant to a thread pool at once; the real runs then find
+them compiled. With a warm Triton cache the dry run only loads them, in
+parallel too.
+
+Owns the list of those forwards' shapes, which profile and warmup share
+with it (`largest_prefill`, `largest_decode`, `decode_shape_sizes`,
+warmup.py's `run_prefill_classes`). Everything the dry run computes is
+garbage and is dropped; it never runs the sampler (whose logprobs index
+with the draw's tokens) or a scheduled step (whose next input ids are the
+sampled ones).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tinyengine.kernels.compile_ahead import compile_ahead
+from tinyengine.worker.graph_capture import run_piecewise_shape
+from tinyengine.worker.runner import ModelRunner
+from tinyengine.worker.warmup import run_prefill_classes
+
+
+def precompile(runner: ModelRunner) -> int:
+    """The dry run (module docstring) when the runner runs Triton kernels on
+    a GPU and EngineConfig.compile_threads allows more than one thread.
+    Returns how many variants it handed to the pool (0: skipped)."""
+    threads = compile_threads(runner.config.compile_threads)
+    if threads < 2 or runner.device.type != "cuda" or runner.ops.name != "triton":
+        return 0
+    pieces = runner.piecewise_graph_sizes()
+    with torch.inference_mode(), compile_ahead(threads) as compiles:
+        largest_prefill(runner)
+        largest_decode(runner)
+        for size in decode_shape_sizes(runner):
+            runner.run_decode_shape(size)
+        for size in pieces:
+            run_piecewise_shape(runner, size, layer_kinds=True)
+        run_prefill_classes(runner, set(pieces))
+    return len(compiles)
+
+
+def compile_threads(setting: int | None) -> int:
+    """EngineConfig.compile_threads resolved: None is one per CPU core, up
+    to 16 (a startup meets ~16-30 variants)."""
+    if setting is not None:
+        return setting
+    return min(16, len(os.sched_getaffinity(0)))
+
+
+def largest_prefill(runner: ModelRunner) -> None:
+    """Profile's worst prefill step: max_num_batched_tokens tokens in
+    sequences no longer than max_model_len (and no more than max_num_seqs
+    of them), then the LM head over each sequence's last row."""
+    cfg, max_len = runner.config, runner.max_model_len
+    num_seqs = min(-(-cfg.max_num_batched_tokens // max_len), cfg.max_num_seqs)
+    total = min(cfg.max_num_batched_tokens, num_seqs * max_len)
+    q_lens = [total // num_seqs + (1 if i < total % num_seqs else 0) for i in range(num_seqs)]
+    hidden = runner.dummy_forward(q_lens)
+    ends = torch.tensor(q_lens, device=runner.device).cumsum(0) - 1
+    runner.model.compute_logits(hidden[ends], runner.ops)
+
+
+def largest_decode(runner: ModelRunner) -> torch.Tensor:
+    """Profile's worst decode step: max_num_seqs rows, one of them at
+    max_model_len context; returns its logits (eager attention scratch
+    scales with the longest context, MLA's decode scratch with rows times
+    the longest context)."""
+    rows, max_len = runner.config.max_num_seqs, runner.max_model_len
+    hidden = runner.dummy_forward([1] * rows, [max_len] + [1] * (rows - 1))
+    return runner.model.compute_logits(hidden, runner.ops)
+
+
+def decode_shape_sizes(runner: ModelRunner) -> list[int]:
+    """Every decode batch size a step can have. A decode batch that a
+    captured graph fits is padded to that graph's size, so below the largest
+    captured size only the captured sizes occur; above it (all sizes when
+    nothing is captured) a batch runs eagerly at its own size. With the
+    Triton kernels each of those is run, since split-KV scratch is not
+    monotonic in the batch size (a small batch splits the context more
+    ways)."""
+    captured = runner.graph_sizes()
+    sizes = set(captured)
+    if runner.ops.name == "triton":
+        sizes.update(range(max(captured, default=0) + 1, runner.config.max_num_seqs + 1))
+    return sorted(sizes)
