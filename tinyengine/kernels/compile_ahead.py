@@ -63,6 +63,11 @@ def compile_ahead(threads: int) -> Iterator[list[Future]]:
         key = _variant_key(fn, args, kwargs)
         if key not in seen:
             seen.add(key)
+            # The kernel's per-device cache is made on first use: made here,
+            # once, not by two compile threads racing, each filling its own.
+            caches = getattr(fn, "device_caches", None)
+            if caches is not None:
+                caches[device]
             futures.append(pool.submit(compile_variant, fn, args, grid, kwargs))
         return None
 
