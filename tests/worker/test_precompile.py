@@ -96,3 +96,22 @@ def test_gpu_precompile_compiles_everything_in_profile(tmp_path, arch):
     plain = _start(path, 0, tmp_path / "cache_plain")
     assert dry["tokens"] == plain["tokens"]
     assert dry["logprobs"] == plain["logprobs"]
+
+
+def test_launches_share_a_compile_only_where_triton_would():
+    """compile_ahead's deduplication key follows Triton's default
+    specialization: integer values share a compile unless one is 1 or a
+    multiple of 16; dtypes, alignment and keyword arguments separate."""
+    import torch
+
+    from tinyengine.kernels.compile_ahead import _variant_key
+
+    x = torch.zeros(64)
+    key = _variant_key(len, (x, 5, 7), {"BLOCK": 32, "num_warps": 4})
+    assert _variant_key(len, (x, 9, 3), {"BLOCK": 32, "num_warps": 4}) == key
+    assert _variant_key(len, (x, 1, 7), {"BLOCK": 32, "num_warps": 4}) != key
+    assert _variant_key(len, (x, 32, 7), {"BLOCK": 32, "num_warps": 4}) != key
+    assert _variant_key(len, (x.half(), 5, 7), {"BLOCK": 32, "num_warps": 4}) != key
+    assert _variant_key(len, (x[1:], 5, 7), {"BLOCK": 32, "num_warps": 4}) != key
+    assert _variant_key(len, (x, 5, 7), {"BLOCK": 64, "num_warps": 4}) != key
+    assert _variant_key(max, (x, 5, 7), {"BLOCK": 32, "num_warps": 4}) != key

@@ -21,12 +21,11 @@ garbage floats, which is harmless. Compiles that fail are ignored here: the
 real launch compiles again and raises where it always would.
 
 Owns the interception (one patch of JITFunction.run, undone on exit; Gluon
-kernels inherit it) and the pool. Launches are deduplicated by kernel, the
-dtypes of their tensor arguments and their other keyword arguments (the
-constexprs, warps and stages that make a variant); launches that differ only
-in an integer's value share a compile. A variant that Triton specializes
-further (an integer of 1, an unaligned pointer) than that key tells compiles
-at its real launch, as it would have without this block.
+kernels inherit it) and the pool. Launches are deduplicated by what Triton's
+default specialization looks at (`_variant_key`), so launches that differ
+only in an integer's value share a compile. A variant the key misses (a
+kernel's own specialization rules) compiles at its real launch, as it would
+have without this block.
 """
 
 from __future__ import annotations
@@ -81,12 +80,21 @@ def compile_ahead(threads: int) -> Iterator[list[Future]]:
 
 
 def _variant_key(fn: Any, args: tuple, kwargs: dict) -> tuple:
-    """What makes a compiled variant, approximately: the kernel, its tensor
-    arguments' dtypes and every keyword argument that is not a tensor."""
-    dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
+    """What makes a compiled variant, as Triton specializes by default: the
+    kernel; per positional argument, a tensor's dtype and 16-byte alignment
+    or an integer's being 1 or a multiple of 16; and every keyword argument
+    that is not a tensor (constexprs, warps, stages)."""
     options = tuple(
         (name, value if isinstance(value, (int, float, str, bool, type(None))) else repr(value))
         for name, value in sorted(kwargs.items())
         if not isinstance(value, torch.Tensor)
     )
-    return id(fn), dtypes, options
+    return id(fn), tuple(_specialization(a) for a in args), options
+
+
+def _specialization(arg: Any) -> tuple:
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        return "int", arg == 1, arg % 16 == 0
+    return (arg,) if isinstance(arg, (bool, str, type(None))) else (type(arg).__name__,)
