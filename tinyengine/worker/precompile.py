@@ -28,7 +28,7 @@ import torch
 from tinyengine.kernels.compile_ahead import compile_ahead
 from tinyengine.worker.graph_capture import run_piecewise_shape
 from tinyengine.worker.runner import ModelRunner
-from tinyengine.worker.warmup import run_prefill_classes
+from tinyengine.worker.warmup import run_prefill_classes, workload
 
 
 def precompile(runner: ModelRunner) -> int:
@@ -47,6 +47,7 @@ def precompile(runner: ModelRunner) -> int:
         for size in pieces:
             run_piecewise_shape(runner, size, layer_kinds=True)
         run_prefill_classes(runner, set(pieces))
+        warmup_requests(runner)
     return len(compiles)
 
 
@@ -79,6 +80,18 @@ def largest_decode(runner: ModelRunner) -> torch.Tensor:
     rows, max_len = runner.config.max_num_seqs, runner.max_model_len
     hidden = runner.dummy_forward([1] * rows, [max_len] + [1] * (rows - 1))
     return runner.model.compute_logits(hidden, runner.ops)
+
+
+def warmup_requests(runner: ModelRunner) -> None:
+    """Warmup's served requests as dummy forwards of their shapes: their
+    prompts in one prefill step, then each decode step at its context
+    lengths. Their lengths meet variants no other startup forward does (a
+    kernel's int argument specializes by divisibility by 16, e.g. the
+    compressed-token counts of DeepSeek-V4's attention)."""
+    num_seqs, prompt_len, decode_steps = workload(runner, None)
+    runner.dummy_forward([prompt_len] * num_seqs)
+    for step in range(decode_steps):
+        runner.dummy_forward([1] * num_seqs, [prompt_len + 1 + step] * num_seqs)
 
 
 def decode_shape_sizes(runner: ModelRunner) -> list[int]:

@@ -49,28 +49,11 @@ def light_startup(runner: ModelRunner) -> bool:
 
 def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
     cfg = runner.config
-    light = light_startup(runner)
-    max_seqs = min(LIGHT_SEQS, cfg.max_num_seqs) if light else cfg.max_num_seqs
     block_manager = BlockManager(
         num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching, runner.sliding_group()
     )
     scheduler = Scheduler(block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-    # As many sequences as a step allows (light: two), each with an equal
-    # share of the token budget (light: at most two blocks), then a few decode
-    # steps (light: one) with all of them running — all fitted to the KV cache
-    # we were given (num_kv_blocks may be tiny).
-    capacity = num_kv_blocks * cfg.block_size
-    decode_steps = max(0, min(LIGHT_DECODE_STEPS if light else DECODE_STEPS, capacity - 2))
-    prompt_len = min(
-        cfg.max_num_batched_tokens // max_seqs,
-        runner.max_model_len - decode_steps - 1,
-        capacity - decode_steps - 1,
-    )
-    if light:
-        prompt_len = min(prompt_len, LIGHT_PROMPT_BLOCKS * cfg.block_size)
-    prompt_len = max(prompt_len, 1)
-    per_seq_blocks = block_manager.blocks_needed(prompt_len + decode_steps + 1)
-    num_seqs = min(max_seqs, num_kv_blocks // per_seq_blocks)
+    num_seqs, prompt_len, decode_steps = workload(runner, block_manager)
     gen = torch.Generator().manual_seed(1234)
     max_tokens = decode_steps + 1  # the first token comes with the prefill
     kinds = [
@@ -92,7 +75,7 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
     max_steps = 10 * (num_seqs * prompt_len // cfg.max_num_batched_tokens + max_tokens + 2)
     _serve(runner, scheduler, requests, max_steps)
 
-    pieces = set() if light else set(runner.piecewise_graph_sizes())
+    pieces = set() if light_startup(runner) else set(runner.piecewise_graph_sizes())
     if runner.ops.name == "triton":
         run_prefill_classes(runner, pieces)
 
@@ -110,6 +93,31 @@ def run_warmup(runner: ModelRunner, num_kv_blocks: int) -> None:
 
     runner.zero_kv_cache()
     runner.request_sampling.generators.clear()
+
+
+def workload(runner: ModelRunner, block_manager: BlockManager | None) -> tuple[int, int, int]:
+    """Warmup's requests: (how many, prompt length, decode steps). As many
+    sequences as a step allows (light: two), each with an equal share of the
+    token budget (light: at most two blocks), then a few decode steps
+    (light: one) with all of them running, all fitted to the KV cache of
+    `block_manager` (its blocks may be few). None: the cache is not sized
+    yet and is taken as unbounded (precompile's dry run of these shapes)."""
+    cfg = runner.config
+    light = light_startup(runner)
+    max_seqs = min(LIGHT_SEQS, cfg.max_num_seqs) if light else cfg.max_num_seqs
+    decode_steps = LIGHT_DECODE_STEPS if light else DECODE_STEPS
+    prompt_len = min(
+        cfg.max_num_batched_tokens // max_seqs, runner.max_model_len - decode_steps - 1
+    )
+    if light:
+        prompt_len = min(prompt_len, LIGHT_PROMPT_BLOCKS * cfg.block_size)
+    if block_manager is None:
+        return max_seqs, max(prompt_len, 1), decode_steps
+    capacity = block_manager.num_blocks * cfg.block_size
+    decode_steps = max(0, min(decode_steps, capacity - 2))
+    prompt_len = max(min(prompt_len, capacity - decode_steps - 1), 1)
+    per_seq_blocks = block_manager.blocks_needed(prompt_len + decode_steps + 1)
+    return min(max_seqs, block_manager.num_blocks // per_seq_blocks), prompt_len, decode_steps
 
 
 def run_prefill_classes(runner: ModelRunner, pieces: set[int]) -> None:
