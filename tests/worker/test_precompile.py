@@ -78,6 +78,33 @@ def _start(path, threads: int, cache) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def test_dry_run_meets_warmups_request_shapes(tmp_path, monkeypatch):
+    """The dry run's stand-in for warmup's requests has warmup's shapes with
+    an ample KV cache, and runs as dummy forwards: one prefill of every
+    prompt, then one decode step per context length."""
+    from tinyengine.scheduling.block_manager import BlockManager
+    from tinyengine.worker import precompile as pc
+    from tinyengine.worker.warmup import workload
+
+    path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", num_hidden_layers=1)
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=2, print_startup_report=False)
+    runner = llm.engine.runner
+    ample = BlockManager(10_000, runner.config.block_size)
+    assert workload(runner, None) == workload(runner, ample)
+    num_seqs, prompt_len, steps = workload(runner, None)
+    forwards = []
+    monkeypatch.setattr(runner, "dummy_forward", lambda q, s=None: forwards.append((q, s)))
+    pc.warmup_requests(runner)
+    decodes = [([1] * num_seqs, [prompt_len + 1 + i] * num_seqs) for i in range(steps)]
+    assert forwards == [([prompt_len] * num_seqs, None), *decodes]
+    # A tiny cache shrinks warmup's requests to fit.
+    assert workload(runner, BlockManager(2, runner.config.block_size)) < (
+        num_seqs,
+        prompt_len,
+        steps,
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek-v3", "deepseek-v4"])
 def test_gpu_precompile_compiles_everything_in_profile(tmp_path, arch):
