@@ -264,8 +264,8 @@ class _Times:
 
 
 def test_triton_kernels_and_compile_seconds_are_reported_per_stage(caplog):
-    """Each stage's record counts the kernel variants built or loaded during
-    it and the seconds of those the on-disk cache missed; the log line says
+    """Each stage's record counts (and names) the kernel variants built or
+    loaded during it and the seconds of those the on-disk cache missed; the log line says
     so. (The counters are process-wide: the machine takes differences.)"""
     from tinyengine.kernels import jit_monitor
 
@@ -277,7 +277,7 @@ def test_triton_kernels_and_compile_seconds_are_reported_per_stage(caplog):
             return super().profile()
 
         def warmup(self, num_kv_blocks: int) -> None:
-            jit_monitor._on_compile(repr="k")
+            jit_monitor._on_compile(repr="late[(*bf16, i32)]")
             jit_monitor._on_listen(times=_Times(250_000), cache_hit=False)
             super().warmup(num_kv_blocks)
 
@@ -288,8 +288,12 @@ def test_triton_kernels_and_compile_seconds_are_reported_per_stage(caplog):
     assert by_name["profile"].compile_seconds == pytest.approx(2.0)  # the hit costs nothing
     assert by_name["warmup"].kernels == 1
     assert by_name["warmup"].compile_seconds == pytest.approx(0.25)
+    # Which variants: Triton's names for them, so a late one can be found.
+    assert by_name["profile"].kernel_variants == ["k"] * 3
+    assert by_name["warmup"].kernel_variants == ["late[(*bf16, i32)]"]
     for name in ("load", "size_kv", "capture", "lock"):
         assert by_name[name].kernels == 0 and by_name[name].compile_seconds == 0.0
+        assert by_name[name].kernel_variants == []
     assert "compile s" in report.table()
     done = [r.getMessage() for r in caplog.records if "profile: done" in r.getMessage()]
     assert done and "3 Triton kernels (2.0 s compiling)" in done[0]

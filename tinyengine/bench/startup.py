@@ -107,5 +107,11 @@ def _run(args: argparse.Namespace) -> int:
             ("tinyengine / HF (startup time):", result["time_ratio_vs_hf"]),
         ]
     print(common.format_rows("Startup", rows) + "\n" + "=" * 56)
+    # Variants first met after profile: shape classes its forwards (and the
+    # dry run, worker/precompile.py) did not reach, compiled one at a time.
+    for stage in report.stages:
+        if stage.name not in ("load", "profile"):
+            for variant in stage.kernel_variants:
+                print(f"{stage.name} met a new variant: {variant}")
     common.write_json(args.json, result)
     return 0

@@ -120,6 +120,9 @@ class StageRecord:
     # on-disk cache did not have (kernels/jit_monitor.py; 0 without Triton).
     kernels: int = 0
     compile_seconds: float = 0.0
+    # Those variants as Triton names them (kernel and specialization): which
+    # shape classes a stage met first (after profile: ones its forwards missed).
+    kernel_variants: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -304,6 +307,7 @@ class StartupMachine:
                 note=stages.capture_skip_reason if skipped else result or "",
                 kernels=jit_monitor.num_compiles() - kernels_before,
                 compile_seconds=jit_monitor.compile_seconds() - compile_before,
+                kernel_variants=jit_monitor.compiled_since(kernels_before),
             )
         )
         self.state = reached
