@@ -127,7 +127,7 @@ def test_int32_offsets_only_when_the_strided_view_fits():
     """K and V share the rows of one allocation (tinyengine/worker/kv_cache.py), so a K view of
     N elements reaches offsets up to ~2N: the int32 address path must be
     chosen from the largest reachable offset, not from numel()."""
-    from tinyengine.kernels.attention.triton import _offsets_fit_32
+    from tinyengine.kernels.attention.triton import offsets_fit_32, wide_offsets
 
     def caches(num_blocks: int):
         storage = torch.empty(
@@ -136,9 +136,13 @@ def test_int32_offsets_only_when_the_strided_view_fits():
         return storage[1, ..., :128], storage[1, ..., 128:]
 
     k, v = caches(2**31 // (16 * 8 * 256) + 1)  # the K view itself holds ~2^30 elements
-    assert k.numel() < 2**31 and not _offsets_fit_32(k, v)
+    assert k.numel() < 2**31 and not offsets_fit_32(k, v)
     k, v = caches(2**30 // (16 * 8 * 256))
-    assert _offsets_fit_32(k, v)
+    assert offsets_fit_32(k, v)
+    # Startup's dry run compiles the 64-bit variants before a large cache exists.
+    with wide_offsets():
+        assert not offsets_fit_32(k, v)
+    assert offsets_fit_32(k, v)
 
 
 def test_prefill_config_fp32_tiles_need_no_more_shared_memory_than_bf16():

@@ -55,7 +55,8 @@ _STARTUP = """
 import json, sys
 from tinyengine import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=256, max_num_seqs=8,
-          compile_threads=int(sys.argv[2]), print_startup_report=False)
+          compile_threads=int(sys.argv[2]), num_kv_blocks=int(sys.argv[3]) or None,
+          print_startup_report=False)
 kernels = {s.name: s.kernels for s in llm.startup_report().stages}
 prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 90)]
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
@@ -70,9 +71,10 @@ print(json.dumps({
 """
 
 
-def _start(path, threads: int, cache) -> dict:
+def _start(path, threads: int, cache, num_kv_blocks: int = 0) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
-    run = subprocess.run([sys.executable, "-c", _STARTUP, str(path), str(threads)], env=env,
+    argv = [sys.executable, "-c", _STARTUP, str(path), str(threads), str(num_kv_blocks)]
+    run = subprocess.run(argv, env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -105,10 +107,36 @@ def test_dry_run_meets_warmups_request_shapes(tmp_path, monkeypatch):
     )
 
 
+def test_wide_offset_variants_are_compiled_when_the_cache_may_need_them(tmp_path, monkeypatch):
+    """The dry run's second pass (64-bit cache offsets) runs exactly when the
+    KV cache size_kv may allocate reaches past int32 offsets in a layer:
+    with num_kv_blocks set, judged on that count, laid out as allocated."""
+    import dataclasses
+
+    from tinyengine.worker.precompile import kv_cache_may_need_wide_offsets
+
+    path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", num_hidden_layers=2)
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=2, print_startup_report=False)
+    runner = llm.engine.runner
+    spec = runner.model.kv_cache_spec()
+    # One layer's K view spans every block's rows of K and V (kv_cache.py).
+    per_block = runner.block_size * spec.num_kv_heads * (spec.head_dim_k + spec.head_dim_v)
+    limit = 2**31 // per_block
+    for blocks, wide in ((limit - 1, False), (limit + 1, True), (16, False)):
+        monkeypatch.setattr(
+            runner, "config", dataclasses.replace(runner.config, num_kv_blocks=blocks)
+        )
+        assert kv_cache_may_need_wide_offsets(runner) is wide, blocks
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek-v3", "deepseek-v4"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-wide", "deepseek-v3", "deepseek-v4"])
 def test_gpu_precompile_compiles_everything_in_profile(tmp_path, arch):
-    if arch == "qwen3":
+    # qwen3-wide: a KV cache past int32 offsets in a layer (2.2M blocks of
+    # 16 x 2 heads x (16 + 16), 18 GB), whose attention variants profile's
+    # one-block cache never meets: the dry run's second pass compiles them.
+    blocks = 2_200_000 if arch == "qwen3-wide" else 0
+    if arch.startswith("qwen3"):
         path = make_tiny_hf_model("qwen3", tmp_path / arch, num_hidden_layers=4)
     elif arch == "deepseek-v3":
         path = make_tiny_deepseek("v3", tmp_path / arch, num_hidden_layers=4)
@@ -116,11 +144,11 @@ def test_gpu_precompile_compiles_everything_in_profile(tmp_path, arch):
         path = make_tiny_v4(tmp_path / arch, num_hidden_layers=3,
                             layer_types=["sliding_attention", "compressed_sparse_attention",
                                          "heavily_compressed_attention"])  # fmt: skip
-    dry = _start(path, 8, tmp_path / "cache_dry")
+    dry = _start(path, 8, tmp_path / "cache_dry", blocks)
     assert dry["kernels"]["profile"] > 0
     assert dry["kernels"]["warmup"] == 0 and dry["kernels"]["capture"] == 0, dry["kernels"]
     assert dry["after_ready"] == 0
-    plain = _start(path, 0, tmp_path / "cache_plain")
+    plain = _start(path, 0, tmp_path / "cache_plain", blocks)
     assert dry["tokens"] == plain["tokens"]
     assert dry["logprobs"] == plain["logprobs"]
 

@@ -53,6 +53,11 @@ def sliding_bytes(
     return (num_blocks + 1) * spec.bytes_per_block(block_size, dtype, sliding=True)
 
 
+def useful_blocks(num_blocks: int, max_num_seqs: int, max_blocks_per_seq: int) -> int:
+    """No more blocks than every sequence at full length can use."""
+    return min(num_blocks, max_num_seqs * max_blocks_per_seq)
+
+
 def allocate_cache(
     spec: KVCacheSpec | HybridCacheSpec,
     num_blocks: int,

@@ -26,7 +26,9 @@ import os
 import torch
 
 from tinyengine.kernels.compile_ahead import compile_ahead
+from tinyengine.models.context import KVCacheSpec
 from tinyengine.worker.graph_capture import run_piecewise_shape
+from tinyengine.worker.kv_cache import allocate_kv_cache, useful_blocks
 from tinyengine.worker.runner import ModelRunner
 from tinyengine.worker.warmup import run_prefill_classes, workload
 
@@ -38,17 +40,54 @@ def precompile(runner: ModelRunner) -> int:
     threads = compile_threads(runner.config.compile_threads)
     if threads < 2 or runner.device.type != "cuda" or runner.ops.name != "triton":
         return 0
-    pieces = runner.piecewise_graph_sizes()
+    from tinyengine.kernels.attention.triton import wide_offsets  # imports Triton: GPU only
+
     with torch.inference_mode(), compile_ahead(threads) as compiles:
-        largest_prefill(runner)
-        largest_decode(runner)
-        for size in decode_shape_sizes(runner):
-            runner.run_decode_shape(size)
-        for size in pieces:
-            run_piecewise_shape(runner, size, layer_kinds=True)
-        run_prefill_classes(runner, set(pieces))
-        warmup_requests(runner)
+        startup_forwards(runner)
+        # Profile runs against a one-block KV cache; serving's may be too
+        # large for the paged attention kernels' int32 offsets, a variant of
+        # its own that would otherwise compile in warmup, one at a time.
+        if kv_cache_may_need_wide_offsets(runner):
+            with wide_offsets():
+                startup_forwards(runner)
     return len(compiles)
+
+
+def startup_forwards(runner: ModelRunner) -> None:
+    """Every dummy forward the startup runs, in shape: profile's and
+    warmup's (module docstring)."""
+    pieces = runner.piecewise_graph_sizes()
+    largest_prefill(runner)
+    largest_decode(runner)
+    for size in decode_shape_sizes(runner):
+        runner.run_decode_shape(size)
+    for size in pieces:
+        run_piecewise_shape(runner, size, layer_kinds=True)
+    run_prefill_classes(runner, set(pieces))
+    warmup_requests(runner)
+
+
+def kv_cache_may_need_wide_offsets(runner: ModelRunner) -> bool:
+    """Whether the KV cache size_kv will allocate may reach offsets past
+    int32 in one layer (attention/triton.py's offsets_fit_32): judged on the
+    largest it can be, `num_kv_blocks` or as many blocks as
+    gpu_memory_utilization of the whole device holds (no more than
+    sequences can use, as size_kv caps them), laid out on the meta device
+    (no memory). A hybrid cache (DeepSeek-V4) has no such kernels."""
+    from tinyengine.kernels.attention.triton import offsets_fit_32
+
+    spec = runner.model.kv_cache_spec()
+    if not isinstance(spec, KVCacheSpec):
+        return False
+    cfg = runner.config
+    blocks = cfg.num_kv_blocks
+    if blocks is None:
+        total = torch.cuda.mem_get_info(runner.device)[1]
+        blocks = int(total * cfg.gpu_memory_utilization) // runner.kv_bytes_per_block()
+        blocks = useful_blocks(blocks, cfg.max_num_seqs, runner.max_blocks_per_seq)
+    k_cache, v_cache = allocate_kv_cache(spec, max(blocks, 1), runner.block_size, runner.dtype,
+                                         "meta")[0]  # fmt: skip
+    return not offsets_fit_32(k_cache, v_cache)
 
 
 def compile_threads(setting: int | None) -> int:

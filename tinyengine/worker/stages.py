@@ -33,7 +33,7 @@ from tinyengine.kernels import jit_monitor
 from tinyengine.models.loader import load_hf_config
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.worker.graph_capture import run_piecewise_shape
-from tinyengine.worker.kv_cache import sliding_blocks_wanted, sliding_bytes
+from tinyengine.worker.kv_cache import sliding_blocks_wanted, sliding_bytes, useful_blocks
 from tinyengine.worker.precompile import (
     decode_shape_sizes,
     largest_decode,
@@ -223,8 +223,7 @@ class StartupStages:
             budget = int(cfg.cpu_kv_cache_gib * 2**30)
             where = f"cpu_kv_cache_gib={cfg.cpu_kv_cache_gib}"
         num_blocks = max((budget - sliding_bytes) // per_block, 0)
-        # No point holding more than every sequence at full length can use.
-        num_blocks = min(num_blocks, cfg.max_num_seqs * runner.max_blocks_per_seq)
+        num_blocks = useful_blocks(num_blocks, cfg.max_num_seqs, runner.max_blocks_per_seq)
         if num_blocks < runner.max_blocks_per_seq:
             raise ValueError(
                 f"the KV cache budget ({where}) holds {num_blocks} blocks of {runner.block_size} "

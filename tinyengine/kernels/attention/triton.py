@@ -27,6 +27,8 @@ the interpreter computes bf16 math wrongly.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,11 +88,29 @@ def _max_offset(t: torch.Tensor) -> int:
     return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
-def _offsets_fit_32(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def offsets_fit_32(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether every element offset into the caches fits int32 (cheaper address
     math in the inner loop). Fixed once the KV cache is allocated, so warmup
-    compiles the variant that serving uses."""
-    return max(_max_offset(k_cache), _max_offset(v_cache)) < 2**31
+    compiles the variant that serving uses; inside `wide_offsets()` never."""
+    return not _wide_offsets and max(_max_offset(k_cache), _max_offset(v_cache)) < 2**31
+
+
+_wide_offsets = False
+
+
+@contextlib.contextmanager
+def wide_offsets() -> Iterator[None]:
+    """Within it the kernels take 64-bit cache offsets whatever the caches'
+    size: startup's dry run (worker/precompile.py) compiles the variants of a
+    KV cache too large for int32 offsets before that cache exists, against
+    profile's one-block cache. Only for compile-only forwards: nothing else
+    changes what a kernel computes, but it would run slower address math."""
+    global _wide_offsets
+    _wide_offsets = True
+    try:
+        yield
+    finally:
+        _wide_offsets = False
 
 
 def _common_args(
@@ -136,7 +156,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
         BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=_prefill_block_dv(head_dim_v),
-        UPCAST=interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
+        UPCAST=interpreting(), OFFS_32=offsets_fit_32(k_cache, v_cache),
         DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
@@ -186,7 +206,7 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
         BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
-        DIRECT=direct, UPCAST=interpreting(), OFFS_32=_offsets_fit_32(k_cache, v_cache),
+        DIRECT=direct, UPCAST=interpreting(), OFFS_32=offsets_fit_32(k_cache, v_cache),
         DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
         **pdl,
     )  # fmt: skip
