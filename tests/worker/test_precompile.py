@@ -113,6 +113,7 @@ def test_wide_offset_variants_are_compiled_when_the_cache_may_need_them(tmp_path
     with num_kv_blocks set, judged on that count, laid out as allocated."""
     import dataclasses
 
+    from tinyengine.models.context import KVCacheSpec
     from tinyengine.worker.precompile import kv_cache_may_need_wide_offsets
 
     path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", num_hidden_layers=2)
@@ -127,6 +128,14 @@ def test_wide_offset_variants_are_compiled_when_the_cache_may_need_them(tmp_path
             runner, "config", dataclasses.replace(runner.config, num_kv_blocks=blocks)
         )
         assert kv_cache_may_need_wide_offsets(runner) is wide, blocks
+    # MLA's latent cache is never read by those kernels (its prefill expands
+    # each step's blocks into a small K/V of its own): no second pass.
+    huge = dataclasses.replace(runner.config, num_kv_blocks=10**7)
+    monkeypatch.setattr(runner, "config", huge)
+    assert kv_cache_may_need_wide_offsets(runner)
+    latent = KVCacheSpec(spec.num_layers, 1, 576, 0)
+    monkeypatch.setattr(runner.model, "kv_cache_spec", lambda: latent)
+    assert not kv_cache_may_need_wide_offsets(runner)
 
 
 @pytest.mark.gpu

@@ -73,19 +73,21 @@ def kv_cache_may_need_wide_offsets(runner: ModelRunner) -> bool:
     largest it can be, `num_kv_blocks` or as many blocks as
     gpu_memory_utilization of the whole device holds (no more than
     sequences can use, as size_kv caps them), laid out on the meta device
-    (no memory). A hybrid cache (DeepSeek-V4) has no such kernels."""
+    (no memory), with the reserved dummy block. Only a paged K/V cache is
+    read by those kernels: MLA's latent cache (DeepSeek-V2/V3) and a hybrid
+    one (V4) are not."""
     from tinyengine.kernels.attention.triton import offsets_fit_32
 
     spec = runner.model.kv_cache_spec()
-    if not isinstance(spec, KVCacheSpec):
+    if not isinstance(spec, KVCacheSpec) or spec.is_latent:
         return False
     cfg = runner.config
     blocks = cfg.num_kv_blocks
-    if blocks is None:
+    if not blocks:
         total = torch.cuda.mem_get_info(runner.device)[1]
         blocks = int(total * cfg.gpu_memory_utilization) // runner.kv_bytes_per_block()
         blocks = useful_blocks(blocks, cfg.max_num_seqs, runner.max_blocks_per_seq)
-    k_cache, v_cache = allocate_kv_cache(spec, max(blocks, 1), runner.block_size, runner.dtype,
+    k_cache, v_cache = allocate_kv_cache(spec, blocks + 1, runner.block_size, runner.dtype,
                                          "meta")[0]  # fmt: skip
     return not offsets_fit_32(k_cache, v_cache)
 
