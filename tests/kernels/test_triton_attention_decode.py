@@ -89,6 +89,7 @@ def test_decode_num_splits_heuristic() -> None:
     assert ta.decode_num_splits(64, 8, 4096, 132) == 1
     assert ta.decode_num_splits(256, 8, 32768, 132) == 1
     s = ta.decode_num_splits(1, 8, 4096, 132)
-    assert 1 < s <= 4096 // 256
-    assert ta.decode_num_splits(1, 8, 100, 132) == 1
+    assert 1 < s <= 4096 // 32
+    assert ta.decode_num_splits(1, 8, 20, 132) == 1  # no split shorter than 32 tokens
+    assert ta.decode_num_splits(1, 8, 512, 132) == 16
     assert ta.decode_num_splits(4, 8, 1 << 20, 132) <= 64

@@ -16,7 +16,11 @@ import triton
 # (docs/benchmarks.md, Kernels: decode tiles and splits).
 _DECODE_NO_SPLIT_PROGRAMS_PER_SM = 2
 _DECODE_TARGET_PROGRAMS_PER_SM = 4
-_DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in reduce than it saves
+# The shortest split: at batch 1 with 8 KV heads, 32-token splits of a
+# 512-token context (16 splits) beat 256-token ones (2) by 1.7x on an H100
+# (docs/benchmarks.md, issue 23); with PDL the reduce kernel starts while
+# the splits still run, so more of them cost little.
+_DECODE_MIN_SPLIT_TOKENS = 32
 DECODE_MAX_SPLITS = 64
 
 
@@ -65,7 +69,7 @@ def decode_config(
     group = num_q_heads // num_kv_heads
     if triton.next_power_of_2(head_dim_k) > 128:
         return 32, 4, 2
-    if group <= 2:
+    if group <= 4:
         return 32, 1, 2
     if group <= 8:
         return 64, 2, 2
