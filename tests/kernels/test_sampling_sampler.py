@@ -167,11 +167,11 @@ def test_gpu_graph_capture_and_replay_of_fast_path() -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up: compile the kernel outside the capture
-        gumbel_argmax_triton(logits, inv_t, sampler._seeds(gens, greedy))
+        gumbel_argmax_triton(logits, inv_t, sampler.seeds(gens, greedy))
     torch.cuda.current_stream().wait_stream(stream)
     graph.register_generator_state(sampler.generator)
     with torch.cuda.graph(graph):
-        seeds = sampler._seeds(gens, greedy)
+        seeds = sampler.seeds(gens, greedy)
         tokens = gumbel_argmax_triton(logits, inv_t, seeds)
     g = torch.Generator(device="cuda").manual_seed(1)
     seen = []

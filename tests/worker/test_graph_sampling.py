@@ -142,7 +142,7 @@ def test_stage_graph_draw_writes_rows_and_padding():
     assert sampler.stage_graph_draw(params, generators, [[], [], []], 50, inv_t, seeds)
     assert inv_t.tolist() == [0.0, 2.0, 0.5, 0.0, 0.0, 0.0]
     twin = Sampler("cpu", seed=7, draw=gumbel_argmax_torch)
-    expected = twin._seeds([None, twin.new_generator(2), None], [True, False, False])
+    expected = twin.seeds([None, twin.new_generator(2), None], [True, False, False])
     assert seeds[1:3].tolist() == expected[1:3].tolist()
     assert seeds[3:].tolist() == [-1, -1, -1]  # past the batch: never written
     assert not sampler.stage_graph_draw(params, generators, [[], [4], []], 50, inv_t, seeds)

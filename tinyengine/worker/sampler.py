@@ -3,7 +3,8 @@
 Owns the per-step token choice: penalties (worker/penalties.py), banned-token
 masking, greedy argmax, temperature, top-k / top-p / min-p filtering (its
 threshold in worker/sampling_filters.py), seeded and unseeded random
-sampling, and the logprobs a request asked for. Everything is vectorized over
+sampling (the noise: worker/sampling_noise.py), and the logprobs a request
+asked for. Everything is vectorized over
 the batch; the host learns the results through exactly one device->host copy.
 `sample` only launches the work and starts that copy (into pinned memory,
 behind an event), so the engine can schedule and launch the next step before
@@ -67,14 +68,11 @@ from tinyengine.worker.sample_output import (
     to_host,
 )
 from tinyengine.worker.sampling_filters import INV_TEMP, TEMP, cutoff, filter_needs
+from tinyengine.worker.sampling_noise import draw_seeds, exponential_noise
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a
 # denormal-ish temperature overflows the logits to inf and softmax to NaN.
 _GREEDY_EPS = 1e-5
-
-# Seeds for the fused kernel's noise are drawn in [0, 2**62): 62 random bits of
-# the 64-bit Philox key, plenty to never repeat a stream in practice.
-_SEED_HIGH = 2**62
 
 
 class Sampler:
@@ -115,6 +113,15 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample and wait for the result (sample(...).result())."""
         return self.sample(logits, params, generators, banned_token_ids, histories).result()
+
+    def seeds(
+        self,
+        generators: list[torch.Generator | None],
+        greedy: list[bool],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The fused draw's per-row seeds (worker/sampling_noise.py: draw_seeds)."""
+        return draw_seeds(self.device, self.generator, generators, greedy, out)
 
     def new_history(self, prompt_token_ids: list[int], vocab: int) -> TokenHistory:
         """The device-side token history a request with penalties needs."""
@@ -223,7 +230,7 @@ class Sampler:
             logits = logits.masked_fill(logits < threshold, float("-inf"))
 
         probs = logits.softmax(dim=-1)
-        noise = self._exponential_noise(probs, generators, greedy)
+        noise = exponential_noise(probs, self.generator, generators, greedy)
         # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p
         # (the Gumbel-max trick in another guise), with no cumsum or search.
         return probs.div_(noise).argmax(dim=-1)
@@ -251,7 +258,7 @@ class Sampler:
         inv_temp = _inverse_temperatures(params, greedy)
         write(inv_temperature, inv_temp, pad_to=inv_temperature.shape[0])
         if not all(greedy):  # greedy rows' seeds are never read
-            self._seeds(generators, greedy, out=seeds[: len(params)])
+            self.seeds(generators, greedy, out=seeds[: len(params)])
         return True
 
     def finish(
@@ -283,7 +290,7 @@ class Sampler:
         draw = self.draw
         vocab = logits.shape[-1]
         greedy, filters = self._plan(params, vocab)
-        seeds = self._seeds(generators, greedy)
+        seeds = self.seeds(generators, greedy)
         if not filters:
             # Fast path: the logits in their own dtype; a ban copies them once.
             inv_t = self._to_device(_inverse_temperatures(params, greedy), torch.float32)
@@ -317,55 +324,6 @@ class Sampler:
         masked = self._ban(logits, banned).masked_fill(scaled < threshold, float("-inf"))
         tokens = draw(masked, t[:, INV_TEMP], seeds)
         return self._collect(raw, tokens, params)
-
-    def _seeds(
-        self,
-        generators: list[torch.Generator | None],
-        greedy: list[bool],
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One int64 seed per row on the device for the fused kernel's noise
-        (into `out` when given): unseeded sampled rows share one draw from the
-        sampler's generator, each seeded sampled row draws exactly one value
-        from its own generator, and greedy rows draw nothing (their seed is
-        never read)."""
-        num_rows = len(greedy)
-        live = [not g for g in greedy]
-        seeds = torch.empty(num_rows, dtype=torch.int64, device=self.device) if out is None else out
-        if any(ok and g is None for g, ok in zip(generators, live, strict=True)):
-            # torch.randint's own draw: random_(0, high) on an empty tensor.
-            seeds.random_(0, _SEED_HIGH, generator=self.generator)
-        elif out is None:
-            seeds.zero_()
-        for i, (g, ok) in enumerate(zip(generators, live, strict=True)):
-            if ok and g is not None:
-                seeds[i : i + 1].random_(0, _SEED_HIGH, generator=g)
-        return seeds
-
-    def _exponential_noise(
-        self,
-        probs: torch.Tensor,
-        generators: list[torch.Generator | None],
-        greedy: list[bool],
-    ) -> torch.Tensor:
-        """Exp(1) noise [rows, vocab]. A seeded row's noise comes only from its own
-        generator, exactly `vocab` draws per step, so its stream is the same
-        whatever the batch; unseeded rows share the sampler's generator."""
-        live = [not g for g in greedy]
-        seeded = [
-            i
-            for i, (g, ok) in enumerate(zip(generators, live, strict=True))
-            if ok and g is not None
-        ]
-        if any(ok and g is None for g, ok in zip(generators, live, strict=True)):
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        else:
-            noise = torch.ones_like(probs)  # greedy rows' noise is never looked at
-        for i in seeded:
-            noise[i].exponential_(generator=generators[i])
-        # Some backends' exponential_ can return an exact 0 (pytorch#48841,
-        # #192577): 0/0 = NaN would win the argmax and pick a masked token.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
     def _collect(
         self, raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
