@@ -4,8 +4,8 @@ Owns the per-step token choice: penalties (worker/penalties.py), banned-token
 masking, greedy argmax, temperature, top-k / top-p / min-p filtering (its
 threshold in worker/sampling_filters.py), seeded and unseeded random
 sampling (the noise: worker/sampling_noise.py), and the logprobs a request
-asked for. Everything is vectorized over
-the batch; the host learns the results through exactly one device->host copy.
+asked for. Everything is vectorized over the batch; the host learns the
+results through exactly one device->host copy.
 `sample` only launches the work and starts that copy (into pinned memory,
 behind an event), so the engine can schedule and launch the next step before
 `PendingSample.result()` waits for it; the sampled ids also stay on the device
