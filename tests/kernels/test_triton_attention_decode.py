@@ -93,3 +93,44 @@ def test_decode_num_splits_heuristic() -> None:
     assert ta.decode_num_splits(1, 8, 20, 132) == 1  # no split shorter than 32 tokens
     assert ta.decode_num_splits(1, 8, 512, 132) == 16
     assert ta.decode_num_splits(4, 8, 1 << 20, 132) <= 64
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_reads_the_newest_row_only_after_the_pdl_wait(
+    num_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under PDL the split kernel starts while the RoPE + cache write kernel
+    # still writes the query's K/V row (position seq_len - 1); the split
+    # kernel reads its first tile of older rows before its wait. Simulated
+    # here: the queries and the newest rows are NaN until gdc_wait, which
+    # writes them (the kernel before "finishes" there). A read of them before
+    # the wait shows up as NaN in the output.
+    import tinyengine.kernels.attention.kernels as kernels
+
+    b = Batch([1, 1, 1], [1, 9, 40], num_q_heads=4, num_kv_heads=2, head_dim_k=32,
+              head_dim_v=32, block_size=8, dtype=torch.float32)  # fmt: skip
+    newest = []
+    for i, s in enumerate(b.seq_lens):
+        blk, off = int(b.block_tables[i, (s - 1) // 8]), (s - 1) % 8
+        newest.append((blk, off, b.k_cache[blk, off].clone(), b.v_cache[blk, off].clone()))
+        b.k_cache[blk, off] = float("nan")
+        b.v_cache[blk, off] = float("nan")
+    q = b.q.clone()
+    b.q.fill_(float("nan"))
+    waits = []
+
+    def wait() -> None:  # the kernel before completes: its rows are written
+        waits.append(1)
+        b.q.copy_(q)
+        for blk, off, k, v in newest:
+            b.k_cache[blk, off] = k
+            b.v_cache[blk, off] = v
+
+    monkeypatch.setattr(kernels, "gdc_wait", wait)
+    monkeypatch.setattr(kernels, "gdc_launch_dependents", lambda: None)
+    monkeypatch.setattr(ta, "pdl_kwargs", lambda device: {"USE_PDL": True})
+    out = b.empty_out()
+    ta.decode_attention(b.q, b.k_cache, b.v_cache, out, *b.args()[3:], max_seq_len=40,
+                        num_splits=num_splits, block_n=16)  # fmt: skip
+    assert waits, "the kernel never waited"
+    assert_close(out, b.dense_reference(), torch.float32)

@@ -16,47 +16,42 @@ from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 
 @device_fn
-def _attend_tile(
-    acc, l_i, m_i, q,
-    n_start, q_pos, seq_len,
-    bt_row, k_base, v_base,
-    stride_kb, stride_ks, stride_vb, stride_vs,
-    qk_scale,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, OFFS_32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+def _kv_tile_ptrs(
+    n_start, bt_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, live,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, OFFS_32: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over keys [n_start, n_start + BLOCK_N).
-
-    Paged load: key position p lives in physical block bt_row[p // BLOCK_SIZE]
-    at offset p % BLOCK_SIZE. MASKED=False is the fast path for tiles every row
-    may fully see (no causal mask, all positions < seq_len); MASKED=True masks
-    positions past seq_len (their block-table entries may be garbage) and
-    applies the causal mask `key_pos <= q_pos` per row.
-    """
+    """Pointers of the K^T tile [BLOCK_DK, BLOCK_N] (column j is key
+    n_start + j, rows are head dims) and the V tile [BLOCK_N, BLOCK_DV].
+    Paged: key position p lives in physical block bt_row[p // BLOCK_SIZE] at
+    offset p % BLOCK_SIZE. MASKED: block-table entries where `live` is false
+    are not read (past the sequence end they may be garbage)."""
     pos = n_start + tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    in_seq = pos < seq_len
     if MASKED:
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_seq, other=0)
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=live, other=0)
     else:
         blk = tl.load(bt_row + pos // BLOCK_SIZE)
     if not OFFS_32:  # caches past 2^31 elements need 64-bit offsets
         blk = blk.to(tl.int64)
     off = pos % BLOCK_SIZE
-    # K^T tile [BLOCK_DK, BLOCK_N]: column j is key pos[j], rows are head dims.
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
     k_ptrs = k_base + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_dk[:, None]
     v_ptrs = v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_dv[None, :]
-    if MASKED or HEAD_DIM_K != BLOCK_DK:
-        k = tl.load(k_ptrs, mask=in_seq[None, :] & (offs_dk[:, None] < HEAD_DIM_K), other=0.0)
-    else:
-        k = tl.load(k_ptrs)
+    return k_ptrs, v_ptrs
+
+
+@device_fn
+def _online_softmax_step(
+    acc, l_i, m_i, q, k, v, pos, q_pos, qk_scale,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc, l_i, m_i after keys `pos` (K^T tile k, V tile v): raw scores, the
+    causal mask `key_pos <= q_pos` per row when MASKED, then the running max,
+    sum and output rescaled."""
     if UPCAST:
         k = k.to(tl.float32)
-
+        v = v.to(tl.float32)
     # [M, BLOCK_N] raw scores; times qk_scale they are log2 units
     s = tl.dot(q, k, input_precision=DOT_PRECISION)
     if MASKED:
@@ -69,17 +64,50 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    # Rescale first, then let the MMA accumulate into acc in place.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
+
+@device_fn
+def _attend_tile(
+    acc, l_i, m_i, q,
+    n_start, q_pos, seq_len,
+    bt_row, k_base, v_base,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, OFFS_32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys [n_start, n_start + BLOCK_N): load
+    the tile, then _online_softmax_step. MASKED=False is the fast path for
+    tiles every row may fully see (no causal mask, all positions < seq_len);
+    MASKED=True masks positions past seq_len (their block-table entries may be
+    garbage) and applies the causal mask `key_pos <= q_pos` per row.
+    """
+    pos = n_start + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    in_seq = pos < seq_len
+    k_ptrs, v_ptrs = _kv_tile_ptrs(
+        n_start, bt_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+        in_seq, MASKED, BLOCK_N, BLOCK_SIZE, BLOCK_DK, BLOCK_DV, OFFS_32,
+    )  # fmt: skip
+    if MASKED or HEAD_DIM_K != BLOCK_DK:
+        k = tl.load(k_ptrs, mask=in_seq[None, :] & (offs_dk[:, None] < HEAD_DIM_K), other=0.0)
+    else:
+        k = tl.load(k_ptrs)
     if MASKED or HEAD_DIM_V != BLOCK_DV:
         # Masked V rows matter: 0 * NaN from an uninitialized slot is NaN.
         v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     else:
         v = tl.load(v_ptrs)
-    if UPCAST:
-        v = v.to(tl.float32)
-    # Rescale first, then let the MMA accumulate into acc in place.
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    return _online_softmax_step(
+        acc, l_i, m_i, q, k, v, pos, q_pos, qk_scale, MASKED, UPCAST, DOT_PRECISION
+    )
 
 
 @device_fn
@@ -198,24 +226,50 @@ def _decode_split_kernel(
     kernel combines them. A split past the sequence's end writes lse = -inf.
 
     USE_PDL (kernels/launch.py): every program waits for the kernel before
-    it first, early returns included: that kernel (the RoPE + cache write)
-    writes the query and the newest K/V row read here.
+    it, early returns included. That kernel (the RoPE + cache write) writes
+    the query and the newest K/V row (position seq_len - 1) read here, so
+    those are read only after the wait. What it does not write is read
+    before it, while that kernel still runs: the host-staged indices
+    (query_start_loc, seq_lens, the block table) and the split's first tile
+    of K/V rows from earlier steps; the newest row, when it falls in that
+    tile, is loaded after the wait into the rows the early load left zero.
+    Behind the wait that leaves the query and one masked row, not a chain
+    of index, block-table and cache loads.
     """
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == q_row:
-        return  # q_len 0: this sequence has no row to write (the reduce skips it too)
+    has_rows = tl.load(query_start_loc_ptr + seq + 1) > q_row  # q_len 0: nothing to write
     seq_len = tl.load(seq_lens_ptr + seq)
     # Split boundaries come from the *device* seq_len, so one captured grid
     # (sized from max_seq_len) spreads any actual length over all splits.
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    # The first tile: rows before the newest are from earlier steps.
+    pos0 = start + tl.arange(0, BLOCK_N)
+    tile_end = tl.where(has_rows, end, 0)  # no rows: nothing read, the table may be stale
+    in_tile = pos0 < tile_end
+    old = pos0 < tl.minimum(tile_end, seq_len - 1)
+    k0_ptrs, v0_ptrs = _kv_tile_ptrs(
+        start, bt_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, in_tile,
+        True, BLOCK_N, BLOCK_SIZE, BLOCK_DK, BLOCK_DV, OFFS_32,
+    )  # fmt: skip
+    k_mask = offs_dk[:, None] < HEAD_DIM_K
+    v_mask = offs_dv[None, :] < HEAD_DIM_V
+    k0 = tl.load(k0_ptrs, mask=old[None, :] & k_mask, other=0.0)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if not has_rows:
+        return  # the reduce skips this sequence too
 
     g = tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + g
@@ -229,31 +283,33 @@ def _decode_split_kernel(
             )
             return
 
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
     q = tl.load(q_ptrs, mask=g_ok[:, None] & (offs_dk[None, :] < HEAD_DIM_K), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    newest = in_tile & (pos0 == seq_len - 1)
+    k0 += tl.load(k0_ptrs, mask=newest[None, :] & k_mask, other=0.0)
+    v0 = tl.load(v0_ptrs, mask=in_tile[:, None] & v_mask, other=0.0)
 
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     # The causal mask `pos <= q_pos` with q_pos = end - 1 keeps the masked
     # tail tile inside this split.
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (end - 1)
+    if start < end:  # an empty context (DIRECT, a padding sequence) has no tile
+        acc, l_i, m_i = _online_softmax_step(
+            acc, l_i, m_i, q, k0, v0, pos0, q_pos, qk_scale, True, UPCAST, DOT_PRECISION
+        )
     n_full = start + (end - start) // BLOCK_N * BLOCK_N
-    for n in range(start, n_full, BLOCK_N):
+    for n in range(start + BLOCK_N, n_full, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST, OFFS_32,
             DOT_PRECISION,
         )  # fmt: skip
-    for n in range(n_full, end, BLOCK_N):  # at most one partial tile
+    for n in range(tl.maximum(n_full, start + BLOCK_N), end, BLOCK_N):  # one partial tile at most
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
@@ -277,32 +333,41 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
     num_splits, stride_ot, stride_oh,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    SPLIT_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (num_seqs, Hq): out = sum_s w_s * part_s / sum_s w_s with
-    w_s = 2^(lse_s - max lse). Splits with lse = -inf (past the sequence end)
-    get weight 0 and their (unwritten) partial is never loaded."""
-    if USE_PDL:  # kernels/launch.py
-        gdc_wait()
-        gdc_launch_dependents()
+    w_s = 2^(lse_s - max lse). Splits past the sequence end (lse = -inf) get
+    weight 0 and their (unwritten) partial is never loaded: which ones those
+    are follows from seq_len and the split kernel's rule (SPLIT_BLOCK_N: its
+    BLOCK_N), read before the PDL wait, so the partials load together with
+    the lse values instead of after them."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == q_row:
+    has_rows = tl.load(query_start_loc_ptr + seq + 1) > q_row
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_BLOCK_N), 1) * SPLIT_BLOCK_N
+    num_live = tl.cdiv(seq_len, chunk)  # splits with rows: [0, num_live)
+    if USE_PDL:  # kernels/launch.py
+        gdc_wait()
+        gdc_launch_dependents()
+    if not has_rows:
         return
     s = tl.arange(0, BLOCK_S)
     base = (seq * tl.num_programs(1) + head) * num_splits
     lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
+    offs_dv = tl.arange(0, BLOCK_DV)
+    p_ptrs = part_out_ptr + (base + s).to(tl.int64)[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    part = tl.load(
+        p_ptrs, mask=(s < num_live)[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0
+    )
     live = lse > float("-inf")
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
     w = tl.where(live, tl.exp2(lse - m), 0.0)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    p_ptrs = part_out_ptr + (base + s).to(tl.int64)[:, None] * HEAD_DIM_V + offs_dv[None, :]
-    part = tl.load(p_ptrs, mask=live[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     denom = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(denom == 0.0, 1.0, denom)
     o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_dv

@@ -212,8 +212,10 @@ def decode_attention(
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            out, part_out, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
+            out, part_out, part_lse, query_start_loc, seq_lens, num_splits,
+            out.stride(0), out.stride(1),
             HEAD_DIM_V=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v),
+            SPLIT_BLOCK_N=block_n,
             # Fixed, not next_power_of_2(num_splits): the split count varies with the
             # context length, and every distinct BLOCK_S would be a new compile.
             BLOCK_S=triton.next_power_of_2(max(num_splits, DECODE_MAX_SPLITS)), num_warps=4,
