@@ -136,3 +136,31 @@ def test_bf16_llama_shapes_match_reference(norm: bool) -> None:
                 assert torch.equal(ours, ref)
             else:
                 assert (ours == ref).float().mean() > 0.999
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="patches the interpreted kernel's gdc_wait")
+def test_reads_the_projection_only_after_the_pdl_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under PDL this kernel starts while the qkv projection before it still
+    # writes q, k and v; it reads positions, slots and cos/sin before its
+    # wait. Simulated: the projection output is NaN until gdc_wait writes it.
+    import tinyengine.kernels.rope.triton as rope
+
+    case = make_case(t=5, hq=4, hkv=2, d=16, dv=16, rot=16, dtype=torch.bfloat16, norm=True,
+                     pad=1)  # fmt: skip
+    ref = run(rope_write_kv_torch, case)
+    qkv = case["q"]._base
+    saved = qkv.clone()
+    qkv.fill_(float("nan"))
+    waits = []
+
+    def wait() -> None:  # the projection finishes: its output is written
+        waits.append(1)
+        qkv.copy_(saved)
+
+    monkeypatch.setattr(rope, "gdc_wait", wait)
+    monkeypatch.setattr(rope, "gdc_launch_dependents", lambda: None)
+    monkeypatch.setattr(rope, "pdl_kwargs", lambda device: {"USE_PDL": True})
+    out = run(rope_write_kv_triton, case)
+    assert waits, "the kernel never waited"
+    for ours, want in zip(out, ref, strict=True):
+        torch.testing.assert_close(ours, want, rtol=0, atol=0)

@@ -92,16 +92,21 @@ def _rope_write_kv_kernel(
     BLOCK_PASS: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    if USE_PDL:  # kernels/launch.py: nothing is read before the previous kernel is done
-        gdc_wait()
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     is_kv = tl.program_id(1) == 1
     act = q_ptr.dtype.element_ty
+    # Positions and slots (host-staged) and the cos/sin table are written by
+    # no kernel of the step: under PDL (kernels/launch.py) they are read
+    # while the projection before this kernel still runs; q, k and v only
+    # after the wait.
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     cos = cos.to(act).to(tl.float32)  # HF rounds cos/sin to the activation dtype
     sin = sin.to(act).to(tl.float32)
     if not is_kv:
@@ -111,7 +116,6 @@ def _rope_write_kv_kernel(
             HAS_NORM,
         )  # fmt: skip
     else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:  # a negative slot is a padding row: it must touch no block
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
