@@ -71,7 +71,7 @@ pointers = {
 constexprs = {
     "GROUP": 2, "BLOCK_G": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM_K": 128,
     "HEAD_DIM_V": 128, "BLOCK_DK": 128, "BLOCK_DV": 128, "DIRECT": False, "UPCAST": False,
-    "OFFS_32": True, "DOT_PRECISION": "tf32", "USE_PDL": True,
+    "OFFS_32": True, "DOT_PRECISION": "tf32", "USE_PDL": True, "EARLY_K": True,
 }
 signature = {
     a: pointers.get(a) or ("constexpr" if a in constexprs else "fp32" if a == "qk_scale" else "i32")

@@ -95,9 +95,10 @@ def test_decode_num_splits_heuristic() -> None:
     assert ta.decode_num_splits(4, 8, 1 << 20, 132) <= 64
 
 
+@pytest.mark.parametrize("num_warps", [1, 2])  # 1: the first tile's K before the wait
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_reads_the_newest_row_only_after_the_pdl_wait(
-    num_splits: int, monkeypatch: pytest.MonkeyPatch
+    num_splits: int, num_warps: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Under PDL the split kernel starts while the RoPE + cache write kernel
     # still writes the query's K/V row (position seq_len - 1); the split
@@ -131,6 +132,6 @@ def test_decode_reads_the_newest_row_only_after_the_pdl_wait(
     monkeypatch.setattr(ta, "pdl_kwargs", lambda device: {"USE_PDL": True})
     out = b.empty_out()
     ta.decode_attention(b.q, b.k_cache, b.v_cache, out, *b.args()[3:], max_seq_len=40,
-                        num_splits=num_splits, block_n=16)  # fmt: skip
+                        num_splits=num_splits, block_n=16, num_warps=num_warps)  # fmt: skip
     assert waits, "the kernel never waited"
     assert_close(out, b.dense_reference(), torch.float32)

@@ -215,6 +215,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
     OFFS_32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    EARLY_K: tl.constexpr = True,
 ):  # fmt: skip
     """Grid (num_seqs, num_kv_heads, num_splits). One program: the GROUP query
     heads of one KV head (rows of a [BLOCK_G, D] tile, so each K/V tile is
@@ -234,7 +235,10 @@ def _decode_split_kernel(
     of K/V rows from earlier steps; the newest row, when it falls in that
     tile, is loaded after the wait into the rows the early load left zero.
     Behind the wait that leaves the query and one masked row, not a chain
-    of index, block-table and cache loads.
+    of index, block-table and cache loads. EARLY_K=False (the launcher's
+    choice for tiles of more than one warp) reads only the indices before
+    the wait: there, the early tile's registers pushed ptxas into ~2-3x the
+    spills, and no run has measured that trade.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -258,13 +262,14 @@ def _decode_split_kernel(
     tile_end = tl.where(has_rows, end, 0)  # no rows: nothing read, the table may be stale
     in_tile = pos0 < tile_end
     old = pos0 < tl.minimum(tile_end, seq_len - 1)
-    k0_ptrs, v0_ptrs = _kv_tile_ptrs(
-        start, bt_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, in_tile,
-        True, BLOCK_N, BLOCK_SIZE, BLOCK_DK, BLOCK_DV, OFFS_32,
-    )  # fmt: skip
     k_mask = offs_dk[:, None] < HEAD_DIM_K
     v_mask = offs_dv[None, :] < HEAD_DIM_V
-    k0 = tl.load(k0_ptrs, mask=old[None, :] & k_mask, other=0.0)
+    if EARLY_K:
+        k0_ptrs, v0_ptrs = _kv_tile_ptrs(
+            start, bt_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, in_tile,
+            True, BLOCK_N, BLOCK_SIZE, BLOCK_DK, BLOCK_DV, OFFS_32,
+        )  # fmt: skip
+        k0 = tl.load(k0_ptrs, mask=old[None, :] & k_mask, other=0.0)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -287,29 +292,31 @@ def _decode_split_kernel(
     q = tl.load(q_ptrs, mask=g_ok[:, None] & (offs_dk[None, :] < HEAD_DIM_K), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    newest = in_tile & (pos0 == seq_len - 1)
-    k0 += tl.load(k0_ptrs, mask=newest[None, :] & k_mask, other=0.0)
-    v0 = tl.load(v0_ptrs, mask=in_tile[:, None] & v_mask, other=0.0)
-
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     # The causal mask `pos <= q_pos` with q_pos = end - 1 keeps the masked
     # tail tile inside this split.
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (end - 1)
-    if start < end:  # an empty context (DIRECT, a padding sequence) has no tile
-        acc, l_i, m_i = _online_softmax_step(
-            acc, l_i, m_i, q, k0, v0, pos0, q_pos, qk_scale, True, UPCAST, DOT_PRECISION
-        )
+    n_begin = start
+    if EARLY_K:  # the first tile: the newest row into the zeros left for it, V, the step
+        newest = in_tile & (pos0 == seq_len - 1)
+        k0 += tl.load(k0_ptrs, mask=newest[None, :] & k_mask, other=0.0)
+        v0 = tl.load(v0_ptrs, mask=in_tile[:, None] & v_mask, other=0.0)
+        if start < end:  # an empty context (DIRECT, a padding sequence) has no tile
+            acc, l_i, m_i = _online_softmax_step(
+                acc, l_i, m_i, q, k0, v0, pos0, q_pos, qk_scale, True, UPCAST, DOT_PRECISION
+            )
+        n_begin = start + BLOCK_N
     n_full = start + (end - start) // BLOCK_N * BLOCK_N
-    for n in range(start + BLOCK_N, n_full, BLOCK_N):
+    for n in range(n_begin, n_full, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM_K, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, False, UPCAST, OFFS_32,
             DOT_PRECISION,
         )  # fmt: skip
-    for n in range(tl.maximum(n_full, start + BLOCK_N), end, BLOCK_N):  # one partial tile at most
+    for n in range(tl.maximum(n_full, n_begin), end, BLOCK_N):  # one partial tile at most
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, n, q_pos, seq_len, bt_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,

@@ -207,8 +207,8 @@ def decode_attention(
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM_K=head_dim_k, HEAD_DIM_V=head_dim_v,
         BLOCK_DK=triton.next_power_of_2(head_dim_k), BLOCK_DV=triton.next_power_of_2(head_dim_v),
         DIRECT=direct, UPCAST=interpreting(), OFFS_32=offsets_fit_32(k_cache, v_cache),
-        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
-        **pdl,
+        DOT_PRECISION=dot_precision(k_cache.dtype), EARLY_K=num_warps == 1,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
