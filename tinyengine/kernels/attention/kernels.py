@@ -111,6 +111,14 @@ def _attend_tile(
 
 
 @device_fn
+def _split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Context rows per split of the split-KV decode: whole BLOCK_N tiles,
+    from the *device* seq_len (the split kernel's ranges and the reduce's
+    count of live splits both follow from it)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@device_fn
 def _find_seq(tile_id, query_start_loc, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence owning q-tile `tile_id`: the largest i with
     query_start_loc[i] // BLOCK_Q + i <= tile_id (binary search, device-side)."""
@@ -248,7 +256,7 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # Split boundaries come from the *device* seq_len, so one captured grid
     # (sized from max_seq_len) spreads any actual length over all splits.
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    chunk = _split_chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -257,14 +265,13 @@ def _decode_split_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    # The first tile: rows before the newest are from earlier steps.
-    pos0 = start + tl.arange(0, BLOCK_N)
-    tile_end = tl.where(has_rows, end, 0)  # no rows: nothing read, the table may be stale
-    in_tile = pos0 < tile_end
-    old = pos0 < tl.minimum(tile_end, seq_len - 1)
-    k_mask = offs_dk[:, None] < HEAD_DIM_K
-    v_mask = offs_dv[None, :] < HEAD_DIM_V
-    if EARLY_K:
+    if EARLY_K:  # the first tile: rows before the newest are from earlier steps
+        pos0 = start + tl.arange(0, BLOCK_N)
+        tile_end = tl.where(has_rows, end, 0)  # no rows: nothing read, the table may be stale
+        in_tile = pos0 < tile_end
+        old = pos0 < tl.minimum(tile_end, seq_len - 1)
+        k_mask = offs_dk[:, None] < HEAD_DIM_K
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
         k0_ptrs, v0_ptrs = _kv_tile_ptrs(
             start, bt_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, in_tile,
             True, BLOCK_N, BLOCK_SIZE, BLOCK_DK, BLOCK_DV, OFFS_32,
@@ -346,9 +353,9 @@ def _decode_reduce_kernel(
     SPLIT_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (num_seqs, Hq): out = sum_s w_s * part_s / sum_s w_s with
-    w_s = 2^(lse_s - max lse). Splits past the sequence end (lse = -inf) get
-    weight 0 and their (unwritten) partial is never loaded: which ones those
-    are follows from seq_len and the split kernel's rule (SPLIT_BLOCK_N: its
+    w_s = 2^(lse_s - max lse) over the splits with rows; the others get weight
+    0 and their partial is never loaded. Which splits have rows follows from
+    seq_len and the split kernel's rule (_split_chunk with SPLIT_BLOCK_N, its
     BLOCK_N), read before the PDL wait, so the partials load together with
     the lse values instead of after them."""
     seq = tl.program_id(0)
@@ -356,22 +363,19 @@ def _decode_reduce_kernel(
     q_row = tl.load(query_start_loc_ptr + seq)
     has_rows = tl.load(query_start_loc_ptr + seq + 1) > q_row
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_BLOCK_N), 1) * SPLIT_BLOCK_N
-    num_live = tl.cdiv(seq_len, chunk)  # splits with rows: [0, num_live)
+    num_live = tl.cdiv(seq_len, _split_chunk(seq_len, num_splits, SPLIT_BLOCK_N))
     if USE_PDL:  # kernels/launch.py
         gdc_wait()
         gdc_launch_dependents()
     if not has_rows:
         return
     s = tl.arange(0, BLOCK_S)
+    live = s < num_live  # the splits with rows, [0, num_live)
     base = (seq * tl.num_programs(1) + head) * num_splits
-    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + base + s, mask=live, other=float("-inf"))
     offs_dv = tl.arange(0, BLOCK_DV)
     p_ptrs = part_out_ptr + (base + s).to(tl.int64)[:, None] * HEAD_DIM_V + offs_dv[None, :]
-    part = tl.load(
-        p_ptrs, mask=(s < num_live)[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0
-    )
-    live = lse > float("-inf")
+    part = tl.load(p_ptrs, mask=live[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
     w = tl.where(live, tl.exp2(lse - m), 0.0)
