@@ -91,7 +91,7 @@ def test_fma_config_rejects_m_above_1() -> None:
         skinny_linear(x, w, config=FMA_SMALL)
 
 
-@pytest.mark.parametrize("m", [0, 9])
+@pytest.mark.parametrize("m", [0, 17])
 def test_skinny_linear_rejects_bad_m(m: int) -> None:
     x = torch.randn(m, 64, device=DEVICE)
     with pytest.raises(ValueError):
@@ -112,10 +112,10 @@ def test_pick_config_host_only() -> None:
             assert cfg.block_n >= (16 if cfg.use_dot else 1)
             if m > 1:
                 assert cfg.use_dot  # the FMA loop serves M == 1 only
-            if cfg.block_n > (
-                gemv_tiles.MIN_BLOCK_N_DOT if cfg.use_dot else gemv_tiles.MIN_BLOCK_N_FMA
-            ):
+            if not cfg.use_dot and cfg.block_n > gemv_tiles.MIN_BLOCK_N_FMA:
                 assert -(-n // cfg.block_n) >= gemv_tiles.MIN_PROGRAMS_PER_SM * 132
+            if cfg.use_dot:  # these matrices have enough tiles: no split
+                assert cfg.split_k == 1
 
 
 def test_one_row_with_short_k_gets_a_one_step_tile() -> None:
@@ -190,7 +190,7 @@ def test_eligible_accepts(m: int, dtype: torch.dtype, bias: bool) -> None:
 
 def test_eligible_rejects() -> None:
     x, w, b = _args(bias=True)
-    assert not gemv._eligible(*_args(m=9))  # too many rows: cuBLAS
+    assert not gemv._eligible(*_args(m=gemv.MAX_M + 1))  # too many rows: cuBLAS
     assert not gemv._eligible(*_args(m=0))
     assert not gemv._eligible(*_args(dtype=torch.float32))  # only bf16/fp16 dispatch
     assert not gemv._eligible(x, w.half(), None)  # mixed dtypes
@@ -240,7 +240,7 @@ def test_dispatch_uses_kernel_when_predicate_holds(monkeypatch: pytest.MonkeyPat
     assert calls == [(3, 64)]
     ref = x.float() @ w.float().T + b.float()
     _check(out, ref.to(DEVICE), torch.bfloat16)
-    x9, w9, _ = _args(m=9)
+    x9, w9, _ = _args(m=gemv.MAX_M + 1)
     gemv.linear(x9, w9)  # ineligible: F.linear, no kernel call
     assert calls == [(3, 64)]
 
@@ -274,3 +274,35 @@ def test_gpu_llama8b_shapes(m: int, n: int, k: int) -> None:
     out = skinny_linear(x, w)
     ref = x.float() @ w.float().T
     assert torch.allclose(out.float(), ref, rtol=2**-6, atol=2**-6)
+
+
+def test_pick_config_splits_k_for_few_output_tiles() -> None:
+    """A small model's 1024-row o_proj / down at 2-16 rows has 32 DOT tiles on
+    132 SMs: K splits until the programs cover the SMs (<= SPLIT_K_MAX, each
+    slice >= 2 K steps); matrices with enough tiles are not split."""
+    for n, k in [(1024, 2048), (1024, 3072)]:
+        cfg = pick_config(8, n, k, 132)
+        assert 2 <= cfg.split_k <= gemv_tiles.SPLIT_K_MAX
+        assert k // cfg.split_k >= 2 * cfg.block_k
+    assert pick_config(8, 1024, 256, 132).split_k == 1  # K too short to split
+    assert pick_config(8, 6144, 1024, 132).split_k == 1
+    assert pick_config(1, 1024, 2048, 132).split_k == 1  # the FMA path never splits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("n,k,split", [(48, 256, 2), (40, 300, 3), (64, 512, 4), (33, 96, 8)])
+def test_split_k_matches_reference_and_resets_tickets(
+    dtype: torch.dtype, m: int, n: int, k: int, split: int
+) -> None:
+    """Split over K with the last program of a tile adding the partials in
+    slice order: close to the fp32 reference, equal bit for bit from run to
+    run, and every ticket back at 0 for the next launch (a graph replays the
+    same launch)."""
+    x, w, b, ref = _problem(m, n, k, dtype, True)
+    cfg = GemvConfig(16, 32, 4, 2, use_dot=True, split_k=split)
+    first = skinny_linear(x, w, b, config=cfg)
+    _check(first, ref, dtype)
+    assert torch.equal(skinny_linear(x, w, b, config=cfg), first)
+    _, tickets = gemv._split_buffers(x.device)
+    assert int(tickets.abs().sum()) == 0

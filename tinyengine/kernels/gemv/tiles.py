@@ -22,17 +22,25 @@ class GemvConfig:
     num_stages: int  # 1: no software pipelining (FMA: plain register loads)
     use_dot: bool  # DOT inner loop (any M) vs FMA (M == 1 only)
     reduce_each_step: bool = False  # FMA only: [BLOCK_N] accumulator, reduced every step
+    split_k: int = 1  # DOT only: programs per output tile, each over a slice of K
 
     def __str__(self) -> str:
         kind = "dot" if self.use_dot else ("fma-r" if self.reduce_each_step else "fma")
-        return f"{kind} BN={self.block_n} BK={self.block_k} w={self.num_warps} s={self.num_stages}"
+        text = f"{kind} BN={self.block_n} BK={self.block_k} w={self.num_warps} s={self.num_stages}"
+        return text + (f" split={self.split_k}" if self.split_k > 1 else "")
 
 
 # ---- Tuning constants (edit these after benchmarks/bench_gemv.py's sweep) ----
 # Default for M == 1 (batch-1 decode).
 M1_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
-# Default for 2 <= M <= 8 (tl.dot needs BLOCK_N >= 16).
-MN_CONFIG = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4, use_dot=True)
+# Default for 2 <= M <= 16 (tl.dot needs BLOCK_N >= 16); its split over K
+# comes from SPLIT_K_* below.
+MN_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, use_dot=True)
+# DOT tiles: a matrix with fewer output tiles than SMs / SPLIT_K_BELOW (the
+# 1024-row o_proj and down of a small model: 32 tiles) splits K until its
+# programs cover the SMs, at most SPLIT_K_MAX ways, each slice >= 2 K steps.
+SPLIT_K_BELOW = 2
+SPLIT_K_MAX = 8
 # Per-shape overrides, keyed (m_bucket, N, K) with m_bucket 1 for M == 1 and 8
 # for 2 <= M <= 8 (those must have use_dot=True); e.g.
 # {(1, 4096, 14336): GemvConfig(4, 1024, 4, 3, False)}. Overrides are used as-is.
@@ -60,10 +68,21 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
             cfg = dataclasses.replace(
                 cfg, block_n=max(MIN_BLOCK_N_FMA, ONE_STEP_ELEMS // bk), block_k=bk, num_stages=1
             )
-        min_bn = MIN_BLOCK_N_DOT if cfg.use_dot else MIN_BLOCK_N_FMA
-        bn = cfg.block_n
-        while bn > min_bn and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:
-            bn //= 2
-        if bn != cfg.block_n:
-            cfg = dataclasses.replace(cfg, block_n=bn)
+        if cfg.use_dot:
+            cfg = dataclasses.replace(cfg, split_k=_split_k(n, k, cfg, num_sms))
+        else:
+            bn = cfg.block_n
+            while bn > MIN_BLOCK_N_FMA and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:
+                bn //= 2
+            if bn != cfg.block_n:
+                cfg = dataclasses.replace(cfg, block_n=bn)
     return cfg
+
+
+def _split_k(n: int, k: int, cfg: GemvConfig, num_sms: int) -> int:
+    """K slices per output tile for a DOT config (see SPLIT_K_BELOW)."""
+    tiles = triton.cdiv(n, max(MIN_BLOCK_N_DOT, cfg.block_n))
+    if tiles * SPLIT_K_BELOW > num_sms:
+        return 1
+    most = max(1, k // (2 * cfg.block_k))
+    return max(1, min(SPLIT_K_MAX, triton.cdiv(num_sms, tiles), most))

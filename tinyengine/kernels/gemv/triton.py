@@ -48,7 +48,11 @@ from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
 
-MAX_M = 8
+MAX_M = 16
+# Split-K partials and tile tickets (see _split_buffers): fixed capacities.
+SPLIT_PARTIAL_FLOATS = 1 << 21  # 8 MB of fp32
+SPLIT_TICKETS = 8192
+_split_state: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @dataclass(frozen=True)
@@ -93,11 +97,8 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     )  # fmt: skip
 
 
-# The dispatcher uses the kernel for one row only: at M = 1 it reads the
-# weight faster than cuBLAS, while at M = 2..8 its DOT loop is slower, so those
-# stay on F.linear until that loop is tuned (benchmarks/bench_gemv.py,
-# Llama-3-8B shapes; docs/benchmarks.md has the figures).
-DISPATCH_MAX_M = 1
+# Rows the dispatcher sends to the kernel (the rest go to F.linear).
+DISPATCH_MAX_M = 8
 
 
 def skinny_linear_ok(
@@ -164,10 +165,10 @@ def _rms_normed_row(
     return (normed * nw).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K_SPLIT", "SPLIT_K"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, res_ptr, res_out_ptr,
-    M, N, K, eps,
+    x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, res_ptr, res_out_ptr, part_ptr, ticket_ptr,
+    M, N, K, eps, K_SPLIT, SPLIT_K,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
@@ -175,6 +176,7 @@ def _skinny_gemm_kernel(
     LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     FUSE_SILU_MUL: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     NORM: tl.constexpr = False, NORM_RESIDUAL: tl.constexpr = False,
+    HAS_SPLIT: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (cdiv(N, BLOCK_N),): program p computes out[:, p*BLOCK_N : +BLOCK_N]
     over the whole K. Rows past N are wrapped (not masked) so weight loads stay
@@ -199,8 +201,22 @@ def _skinny_gemm_kernel(
     linear's. Every program normalizes the row itself (norm weight nw, eps;
     NORM_RESIDUAL: x + residual first, which program 0 stores to res_out),
     rounding as norm/triton.py's kernel does, and multiplies that row: the
-    norm kernel and its launch are gone from the step."""
+    norm kernel and its launch are gone from the step.
+
+    HAS_SPLIT (DOT, not fused): grid (tiles, SPLIT_K); program (p, s) sums
+    K slice [s * K_SPLIT, (s + 1) * K_SPLIT) of tile p into fp32 partials
+    (part_ptr, [SPLIT_K, tiles, BLOCK_M, BLOCK_N]) and takes a ticket on
+    tile p; the program that takes the last ticket adds the partials in
+    slice order (so the sum does not depend on which program finished
+    last), resets the ticket to 0 for the next launch and runs the
+    epilogue. Tickets and partials are touched only after the PDL wait."""
     pid = tl.program_id(0)
+    if HAS_SPLIT:
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_len = tl.minimum(K_SPLIT, K - k_lo)
+    else:
+        k_lo = 0
+        k_len = K
     if FUSE_SILU_MUL:
         offs_r = tl.arange(0, BLOCK_N)
         cols = pid * (BLOCK_N // 2) + offs_r // 2
@@ -218,8 +234,8 @@ def _skinny_gemm_kernel(
             rows = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     m_mask = offs_m[:, None] < M
 
     # FMA (M == 1, BLOCK_M == 1): elementwise products into a [BLOCK_N,
@@ -234,7 +250,7 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_first = 0
     if USE_PDL or NORM:  # the first step peeled: its weight loads go out before the wait
-        k_ok = offs_k[None, :] < K
+        k_ok = offs_k[None, :] < k_len
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")
         else:
@@ -256,12 +272,12 @@ def _skinny_gemm_kernel(
         k_first = BLOCK_K
     # Software-pipelined over LOOP_STAGES (FMA: cp.async into shared memory
     # only when asked explicitly; LOOP_STAGES == 1 keeps plain register loads).
-    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=LOOP_STAGES):
+    for k0 in tl.range(k_first, k_len, BLOCK_K, num_stages=LOOP_STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")
             xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
         else:
-            k_mask = (k0 + offs_k) < K
+            k_mask = (k0 + offs_k) < k_len
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
             xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
         acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
@@ -271,6 +287,20 @@ def _skinny_gemm_kernel(
         res = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
         res = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    if HAS_SPLIT:
+        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tiles = tl.num_programs(0)
+        tl.store(part_ptr + (tl.program_id(1) * tiles + pid) * (BLOCK_M * BLOCK_N) + tile, res)
+        tl.debug_barrier()  # every thread's partial is stored before the ticket
+        ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel")
+        if ticket != SPLIT_K - 1:
+            return
+        res = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(SPLIT_K):
+            res += tl.load(
+                part_ptr + (s * tiles + pid) * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg"
+            )
+        tl.store(ticket_ptr + pid, 0)
 
     if HAS_BIAS:
         if FUSE_SILU_MUL:
@@ -350,18 +380,28 @@ def _launch(
     `norm`: x is RMSNorm's input (the NORM prologue; one K step, M == 1)."""
     m, k = x.shape
     use_dot = cfg.use_dot
-    block_m = 16 if use_dot else 1  # tl.dot's smallest N
+    block_m = max(16, triton.next_power_of_2(m)) if use_dot else 1  # tl.dot's smallest N: 16
     block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
     block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
     cols = block_n // 2 if fuse_silu_mul else block_n  # output columns per program
-    grid = (triton.cdiv(n, cols),)
+    tiles = triton.cdiv(n, cols)
     if norm is not None and (use_dot or m != 1 or block_k < k):
         raise ValueError("skinny GEMM: the RMSNorm prologue needs M == 1 and one K step")
+    split, k_split = 1, k
+    if use_dot and cfg.split_k > 1 and not fuse_silu_mul and norm is None:
+        k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
+        split = triton.cdiv(k, k_split)
+    if split > 1:
+        parts, tickets = _split_buffers(x.device)
+        if split * tiles * block_m * block_n > parts.numel() or tiles > tickets.numel():
+            split, k_split = 1, k  # past the fixed capacity: one program per tile
+    if split == 1:
+        parts = tickets = out
     nw, res, res_out = (norm.weight, norm.residual, norm.residual_out) if norm else (x, None, None)
-    _skinny_gemm_kernel[grid](
+    _skinny_gemm_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out,
         nw, res if res is not None else x, res_out if res_out is not None else x,
-        m, n, k, norm.eps if norm else 0.0,
+        parts, tickets, m, n, k, norm.eps if norm else 0.0, k_split, split,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n % cols == 0, EVEN_K=k % block_k == 0,
@@ -369,5 +409,27 @@ def _launch(
         LOOP_STAGES=cfg.num_stages, UPCAST=interpreting(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
         FUSE_SILU_MUL=fuse_silu_mul, NORM=norm is not None, NORM_RESIDUAL=res is not None,
+        HAS_SPLIT=split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device),
     )  # fmt: skip
+
+
+def _split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K partials (fp32) and tile tickets (int32, zero
+    between launches: the last program of a tile resets its ticket).
+    Allocated once, at the first split launch, which the engine's profile
+    stage makes before any graph is captured; allocating during a capture
+    fails loudly instead (the graph would own the memory)."""
+    state = _split_state.get(device)
+    if state is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "skinny GEMM: the first split-K launch on this device is inside a CUDA graph "
+                "capture; run the shape eagerly first (the engine's profile stage does)"
+            )
+        state = (
+            torch.empty(SPLIT_PARTIAL_FLOATS, dtype=torch.float32, device=device),
+            torch.zeros(SPLIT_TICKETS, dtype=torch.int32, device=device),
+        )
+        _split_state[device] = state
+    return state
