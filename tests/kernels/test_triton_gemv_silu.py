@@ -107,6 +107,18 @@ def test_fused_half_matches_unfused(cfg: GemvConfig | None, dtype: torch.dtype) 
     assert _ulps(out, _unfused(x, w, b, config=cfg)) <= MAX_ULPS
 
 
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_rows_match_unfused(m: int, dtype: torch.dtype) -> None:
+    """2-8 rows on the DOT tile (the default config): the two-launch path's
+    result, row for row."""
+    x, w, b = _problem(37, 100, dtype, True)
+    xm = (x + torch.arange(m, device=DEVICE, dtype=dtype)[:, None] / 8).contiguous()
+    out = skinny_linear_silu_mul(xm, w, b)
+    assert out.shape == (m, 37)
+    assert _ulps(out, _unfused(xm, w, b)) <= MAX_ULPS
+
+
 def test_fused_out_and_no_write_past_inter() -> None:
     """A caller-given out that is a slice of a wider buffer: filled in place,
     nothing written past I."""
@@ -121,10 +133,12 @@ def test_fused_out_and_no_write_past_inter() -> None:
 
 def test_fused_rejects_bad_args() -> None:
     x, w, b = _problem(8, 32, torch.float32, True)
-    with pytest.raises(ValueError, match="M must be 1"):
-        skinny_linear_silu_mul(x.expand(2, -1), w)
-    with pytest.raises(ValueError, match="M must be 1"):
+    with pytest.raises(ValueError, match="M must be in"):
+        skinny_linear_silu_mul(x.expand(gemv.MAX_M + 1, -1), w)
+    with pytest.raises(ValueError, match="M must be in"):
         skinny_linear_silu_mul(x[:0], w)
+    with pytest.raises(ValueError, match="FMA config serves M == 1"):
+        skinny_linear_silu_mul(x.expand(2, -1), w, config=FMA_SMALL)
     with pytest.raises(ValueError, match="even row count"):
         skinny_linear_silu_mul(x, w[:15])
     with pytest.raises(ValueError, match="need x"):
@@ -166,9 +180,10 @@ def test_dispatch_falls_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(linear_silu_mul(x, w, b), F.silu(gate) * up)
 
 
-def test_dispatch_uses_fused_kernel_for_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the predicate forced on (as on CUDA), one row goes through the fused
-    kernel and more rows through linear + activation."""
+def test_dispatch_uses_fused_kernel_for_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the predicate forced to the kernel's eligibility (as on CUDA),
+    rows it takes go through the fused kernel, more rows through linear +
+    activation."""
     calls: list[str] = []
     real_fused, real_plain = gemv_silu.skinny_linear_silu_mul, gemv.skinny_linear
 
@@ -189,9 +204,14 @@ def test_dispatch_uses_fused_kernel_for_one_row(monkeypatch: pytest.MonkeyPatch)
     assert _ulps(out, _unfused(x, w, b)) <= MAX_ULPS
     x2 = torch.cat([x, x])
     out2 = linear_silu_mul(x2, w, b)
-    assert calls == ["fused", "plain"]
-    gate, up = real_plain(x2, w, b).chunk(2, dim=-1)
-    assert torch.equal(out2, F.silu(gate) * up)  # SiluAndMul's torch path (CPU)
+    assert calls == ["fused", "fused"]
+    assert _ulps(out2, _unfused(x2, w, b)) <= MAX_ULPS
+    calls.clear()
+    many = x.expand(gemv.MAX_M + 1, -1).contiguous()
+    out3 = linear_silu_mul(many, w, b)
+    assert calls == []  # past the kernel's rows: F.linear and the activation
+    gate, up = F.linear(many, w, b).chunk(2, dim=-1)
+    assert torch.equal(out3, F.silu(gate) * up)  # SiluAndMul's torch path (CPU)
 
 
 def test_torch_op_set_never_reaches_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,9 @@
-"""Fused gate_up GEMV + SiLU-and-mul for batch-1 decode: a gated MLP's
+"""Fused gate_up GEMV + SiLU-and-mul for small-batch decode: a gated MLP's
 gate_up projection and its activation in one launch of gemv/triton.py's
 skinny kernel, with the signature pair
 
-    skinny_linear_silu_mul_*(x [1, K], weight [2I, K], bias [2I] | None, out=None)
-        -> silu(y[:, :I]) * y[:, I:]   [1, I],   y = x W^T + b
+    skinny_linear_silu_mul_*(x [M, K], weight [2I, K], bias [2I] | None, out=None)
+        -> silu(y[:, :I]) * y[:, I:]   [M, I],   y = x W^T + b
 
 The skinny kernel with its constexpr FUSE_SILU_MUL: each program's BLOCK_N
 weight rows interleave BLOCK_N / 2 gate rows j with their up rows I + j, the
@@ -12,11 +12,14 @@ store does) and then computes silu(gate) * up in fp32, rounded once, exactly
 as activation/triton.py's kernel does. The config is the plain launch's for
 the [2I, K] weight, so every row's fp32 sum is computed as the plain launch
 computes it and the result is meant to equal skinny_linear followed by
-silu_and_mul_triton bit for bit, with one launch and no [1, 2I] intermediate.
+silu_and_mul_triton bit for bit, with one launch and no [M, 2I] intermediate
+(the plain launch's split over K, if it has one, is not taken: the
+activation needs each whole sum).
 
 `linear_silu_mul(x, gate_up_weight, bias)` is the Triton op set's
 linear_silu_mul (the reference: gemv/reference.py): the fused kernel when
-`skinny_linear_ok` holds for a one-row x, else `linear` then the activation.
+`skinny_linear_ok` holds for x (up to DISPATCH_MAX_M rows), else `linear`
+then the activation.
 `skinny_linear_silu_mul(config=...)` takes a tile override for tests and
 sweeps; `linear_silu_mul` never does.
 """
@@ -39,21 +42,23 @@ def skinny_linear_silu_mul(
     *,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """silu(gate) * up of y = x W^T + b in one launch, for x [1, K] and a
-    gate_up weight [2I, K] (rows :I gate, I: up), bias [2I] | None -> [1, I].
+    """silu(gate) * up of y = x W^T + b in one launch, for x [M <= MAX_M, K]
+    and a gate_up weight [2I, K] (rows :I gate, I: up), bias [2I] | None ->
+    [M, I].
 
-    The config is the plain launch's for this weight (pick_config(1, 2I, K)):
+    The config is the plain launch's for this weight (pick_config(M, 2I, K),
+    never split over K: the activation needs the whole sum):
     its BLOCK_N counts weight rows per program, here BLOCK_N // 2 gate rows and
     their BLOCK_N // 2 up rows, so the tile, the K loop and hence every row's
     fp32 sum are the plain kernel's, and the result is meant to equal
     skinny_linear followed by silu_and_mul_triton bit for bit. Graph-safe like
     skinny_linear: host ints only, nothing allocated but `out`."""
     name = "skinny_linear_silu_mul"
-    check_operands(name, "x [1, K], weight [2I, K]", x, weight, bias)
+    check_operands(name, "x [M, K], weight [2I, K]", x, weight, bias)
     m, k = x.shape
     n2 = weight.shape[0]
-    if m != 1:
-        raise ValueError(f"{name}: M must be 1, got {m}")
+    if not 1 <= m <= gemv.MAX_M:
+        raise ValueError(f"{name}: M must be in 1..{gemv.MAX_M}, got {m}")
     if n2 % 2:
         raise ValueError(f"{name}: gate_up weight needs an even row count, got {n2}")
     inter = n2 // 2
@@ -67,7 +72,9 @@ def skinny_linear_silu_mul(
     if inter == 0:
         return out
 
-    cfg = config if config is not None else pick_config(1, n2, k, _num_sms(x.device))
+    cfg = config if config is not None else pick_config(m, n2, k, _num_sms(x.device))
+    if not cfg.use_dot and m != 1:
+        raise ValueError(f"{name}: the FMA config serves M == 1 only")
     if not cfg.use_dot and (cfg.block_n < 2 or cfg.block_n & (cfg.block_n - 1)):
         raise ValueError(
             f"skinny_linear_silu_mul: BLOCK_N must be a power of two >= 2, got {cfg.block_n}"
@@ -80,11 +87,10 @@ def linear_silu_mul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """silu(gate) * up of F.linear(x, weight, bias) for a gate_up weight
-    [2I, K]: one fused launch where the skinny kernel applies to a one-row x,
-    otherwise `linear` then the op set's activation."""
+    [2I, K]: one fused launch where the skinny kernel applies (x of up to
+    DISPATCH_MAX_M rows), otherwise `linear` then the op set's activation."""
     if (
         x.dim() == 2
-        and x.shape[0] == 1
         and weight.shape[0] % 2 == 0
         and gemv.skinny_linear_ok(x, weight, bias)  # (a module attribute: tests patch it)
     ):
