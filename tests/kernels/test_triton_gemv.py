@@ -14,6 +14,7 @@ from tinyengine.kernels import torch_ops, triton_ops
 from tinyengine.kernels.gemv.reference import skinny_linear_torch
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.gemv.triton import skinny_linear
+from tinyengine.kernels.workspace import Workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}
@@ -296,13 +297,17 @@ def test_split_k_matches_reference_and_resets_tickets(
     dtype: torch.dtype, m: int, n: int, k: int, split: int
 ) -> None:
     """Split over K with the last program of a tile adding the partials in
-    slice order: close to the fp32 reference, equal bit for bit from run to
-    run, and every ticket back at 0 for the next launch (a graph replays the
-    same launch)."""
+    slice order: the partials come from the workspace's arena and the
+    tickets from its persistent counters; close to the fp32 reference,
+    equal bit for bit from run to run, and every ticket back at 0 for the
+    next launch (a graph replays the same launch). Without a workspace the
+    same config runs unsplit."""
     x, w, b, ref = _problem(m, n, k, dtype, True)
     cfg = GemvConfig(16, 32, 4, 2, use_dot=True, split_k=split)
-    first = skinny_linear(x, w, b, config=cfg)
+    ws = Workspace(x.device)
+    first = skinny_linear(x, w, b, config=cfg, workspace=ws)
     _check(first, ref, dtype)
-    assert torch.equal(skinny_linear(x, w, b, config=cfg), first)
-    _, tickets = gemv._split_buffers(x.device)
-    assert int(tickets.abs().sum()) == 0
+    assert ws.size > 0 and ws.num_tickets > 0  # the split's scratch
+    assert torch.equal(skinny_linear(x, w, b, config=cfg, workspace=ws), first)
+    assert not ws.tickets(ws.num_tickets).any()
+    _check(skinny_linear(x, w, b, config=cfg), ref, dtype)

@@ -273,3 +273,27 @@ def test_growth_during_profile_and_warmup_does_not_raise_then_lock_does():
     ws.unlock()
     ws.get(((2 * MIB + 1,), torch.uint8))
     assert ws.stats.growths[-1].stage == "serving"
+
+
+def test_tickets_are_zeroed_persistent_and_apart_from_the_arena():
+    ws = Workspace("cpu")
+    ws.stage = "warmup"
+    t = ws.tickets(10)
+    assert t.dtype == torch.int32 and t.shape == (10,) and not t.any()
+    t[3] = 7  # a kernel that did not reset its ticket
+    view = ws.get(((4096,), torch.uint8))[0]
+    view.fill_(255)  # every op overwrites the arena's bytes; the tickets stay
+    again = ws.tickets(10)
+    assert again.data_ptr() == t.data_ptr() and again[3] == 7 and again.sum() == 7
+    assert ws.stats.num_growths == 2  # one for the tickets, one for the arena
+    assert ws.stats.growths[0].stage == "warmup"
+
+
+def test_locked_ticket_growth_raises_but_held_tickets_are_served():
+    ws = Workspace("cpu")
+    ws.tickets(5)
+    held = ws.num_tickets
+    ws.lock()
+    assert ws.tickets(held).numel() == held  # within what is held: no growth
+    with pytest.raises(WorkspaceLockedError, match=r"asked for \d+ bytes but it holds"):
+        ws.tickets(held + 1)

@@ -12,13 +12,17 @@ on before triton is first imported.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tinyengine.kernels.workspace import Workspace
 
 BACKENDS = ("torch", "triton")
 
@@ -127,11 +131,13 @@ def torch_ops() -> OpSet:
     )
 
 
-def triton_ops(device_type: str) -> OpSet:
+def triton_ops(device_type: str, workspace: Workspace | None = None) -> OpSet:
     """The Triton kernels. On a CPU they run under the interpreter, which is
     there to test the attention, MLA, MoE, prologue and DeepSeek-V4 kernels; the norm,
     activation, GEMV and sampler kernels pay off only on a GPU, so off it the
-    set keeps their references (the tokens of a CPU run stay the torch path's)."""
+    set keeps their references (the tokens of a CPU run stay the torch path's).
+    `workspace` (the runner's): the linears' split-K partials and tickets
+    come from it; without one the skinny GEMM never splits K."""
     enable_triton_interpreter_if_needed(device_type)
     import tinyengine.kernels.attention.triton as attention
     import tinyengine.kernels.compressor.triton as compressor
@@ -176,24 +182,27 @@ def triton_ops(device_type: str) -> OpSet:
     import tinyengine.kernels.norm.triton as norm
     import tinyengine.kernels.sampling.triton as sampling
 
+    linear = (
+        gemv.linear if workspace is None else functools.partial(gemv.linear, workspace=workspace)
+    )
     return OpSet(
         **common,
         rms_norm=norm.rms_norm,
         silu_and_mul=activation.silu_and_mul_op,
-        linear=gemv.linear,
+        linear=linear,
         linear_silu_mul=gemv_silu.linear_silu_mul,
-        rms_norm_linear=norm_linear.rms_norm_linear,
+        rms_norm_linear=norm_linear.rms_norm_linear_with(linear),
         sample_draw=sampling.gumbel_argmax_triton,
     )
 
 
-def choose_ops(backend: str, device_type: str) -> OpSet:
+def choose_ops(backend: str, device_type: str, workspace: Workspace | None = None) -> OpSet:
     """The op set for EngineConfig's resolved attention_backend on a device
-    type ("cuda" or "cpu")."""
+    type ("cuda" or "cpu"); `workspace`: see triton_ops."""
     if backend == "torch":
         return torch_ops()
     if backend == "triton":
-        return triton_ops(device_type)
+        return triton_ops(device_type, workspace)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(BACKENDS)}")
 
 

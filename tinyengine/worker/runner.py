@@ -71,7 +71,7 @@ class ModelRunner:
         self.workspace = Workspace(self.device)
         # Every op the model and the sampler call, chosen once (kernels/opset.py).
         backend = config.resolved_attention_backend(self.device.type, hf_config)
-        self.ops = choose_ops(backend, self.device.type)
+        self.ops = choose_ops(backend, self.device.type, self.workspace)
         if config.batch_invariant:
             self.ops = batch_invariant_ops(self.ops)
         self.sampler = Sampler(self.device, seed=config.seed, draw=self.ops.sample_draw)

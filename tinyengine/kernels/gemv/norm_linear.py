@@ -24,6 +24,9 @@ the outputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 import tinyengine.kernels.gemv.silu as gemv_silu
@@ -33,8 +36,6 @@ from tinyengine.kernels.gemv.tiles import pick_config
 from tinyengine.kernels.norm.triton import rms_norm
 
 MIN_FUSED_BLOCK_N = 4
-# Where the fused launch does not apply: the Triton norm, then the linear.
-_unfused = rms_norm_linear_of(rms_norm, gemv.linear, gemv_silu.linear_silu_mul)
 
 
 def _fusable(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None,
@@ -58,22 +59,30 @@ def _fusable(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor 
     return cfg.block_k >= k and cfg.block_n >= MIN_FUSED_BLOCK_N
 
 
-def rms_norm_linear(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_mul: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x
-    itself without one): one skinny launch where it applies, else the norm
-    kernel and then the linear."""
-    if not _fusable(x, norm_weight, residual, weight, bias, silu_mul):
-        return _unfused(x, norm_weight, eps, residual, weight, bias, silu_mul=silu_mul)
-    return skinny_rms_norm_linear(x, norm_weight, eps, residual, weight, bias, silu_mul=silu_mul)
+def rms_norm_linear_with(linear: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """The op with `linear` where the fused launch does not apply (the Triton
+    norm, then that linear: the op set's, which may hold a workspace)."""
+    unfused = rms_norm_linear_of(rms_norm, linear, gemv_silu.linear_silu_mul)
+
+    def rms_norm_linear(
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        silu_mul: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(rms_norm(x [+ residual])), the new residual: x + residual,
+        or x itself without one): one skinny launch where it applies, else
+        the norm kernel and then the linear."""
+        if not _fusable(x, norm_weight, residual, weight, bias, silu_mul):
+            return unfused(x, norm_weight, eps, residual, weight, bias, silu_mul=silu_mul)
+        return skinny_rms_norm_linear(x, norm_weight, eps, residual, weight, bias,
+                                      silu_mul=silu_mul)  # fmt: skip
+
+    return rms_norm_linear
 
 
 def skinny_rms_norm_linear(
@@ -106,3 +115,6 @@ def skinny_rms_norm_linear(
     if n > 0:
         gemv._launch(x, weight, bias, out, n, cfg, fuse_silu_mul=silu_mul, norm=norm)
     return out, residual_out if residual_out is not None else x
+
+
+rms_norm_linear = rms_norm_linear_with(gemv.linear)  # without a workspace: no split over K

@@ -4,7 +4,7 @@ with the same signature (the reference: gemv/reference.py):
 
     skinny_linear*(x [M, K], weight [N, K], bias [N] | None, out=None) -> [M, N]
 
-At M <= 8 a linear layer is a pure weight stream: 2*N*K bytes of weight against
+At M <= 16 a linear layer is a pure weight stream: 2*N*K bytes of weight against
 ~2*M*N*K FLOPs. cuBLAS picks tensor-core GEMM tiles meant for large M and reads
 the weight at ~60% of HBM bandwidth; this kernel gives each program BLOCK_N
 weight rows, walks K in BLOCK_K-wide coalesced chunks (the x chunk is loaded
@@ -15,19 +15,25 @@ accumulates in fp32. Two inner loops, picked per config:
           reduced across K once at the end (no per-step shuffles); with
           num_stages >= 2 the weight loads are cp.async-pipelined through
           shared memory, with 1 they are plain 16-byte register loads.
-  - DOT   (any M <= 8): tl.dot(W tile [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])
+  - DOT   (any M <= 16): tl.dot(W tile [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])
           ("swap AB": the weight is the MMA's A operand, x padded to 16 rows),
-          the loads software-pipelined over num_stages.
+          the loads software-pipelined over num_stages. When the output has
+          too few tiles to cover the SMs (a small model's o_proj, down_proj)
+          the config splits K (HAS_SPLIT): fp32 partials in the workspace's
+          arena, summed in slice order by the tile's last program, found by
+          an atomic ticket (the workspace's persistent counters, left at 0).
           Under TRITON_INTERPRET=1 the tiles are upcast to fp32 before the dot
           (the interpreter computes bf16 dots wrongly).
 
-CUDA-graph safe: no host syncs, nothing allocated but the output, the grid
+CUDA-graph safe: no host syncs, nothing allocated but the output (the
+split's scratch is the workspace's, sized at warmup like every op's), the grid
 and the config come from host ints only (shapes and the SM count), and a model
 needs few compiled variants (one per config x dtype; N and K are runtime
 args), all compiled during the engine's warmup of each decode batch size.
 
-`linear(x, weight, bias)` is the Triton op set's linear (its reference is
-F.linear): the kernel when `skinny_linear_ok` holds, F.linear otherwise. The
+`linear(x, weight, bias, workspace=None)` is the Triton op set's linear (its
+reference is F.linear; the op set binds the runner's workspace): the kernel
+when `skinny_linear_ok` holds (up to DISPATCH_MAX_M rows), F.linear otherwise. The
 kernel also has a fused gate_up + SiLU-and-mul epilogue (constexpr
 FUSE_SILU_MUL), launched by gemv/silu.py. Tiles: gemv/tiles.py;
 `skinny_linear(config=...)` takes an override for benchmarks/bench_gemv.py's
@@ -47,12 +53,9 @@ from tinyengine.kernels.device_fn import device_fn
 from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
+from tinyengine.kernels.workspace import Workspace
 
 MAX_M = 16
-# Split-K partials and tile tickets (see _split_buffers): fixed capacities.
-SPLIT_PARTIAL_FLOATS = 1 << 21  # 8 MB of fp32
-SPLIT_TICKETS = 8192
-_split_state: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @dataclass(frozen=True)
@@ -116,10 +119,14 @@ def skinny_linear_ok(
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the skinny kernel where it applies."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """F.linear, through the skinny kernel where it applies (split over K
+    when a workspace holds the partials: the op set binds the runner's)."""
     if skinny_linear_ok(x, weight, bias):
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, workspace=workspace)
     return F.linear(x, weight, bias)
 
 
@@ -344,9 +351,12 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b for x [M <= 8, K]; `config` overrides the tuned choice
-    (benchmarks sweep through it)."""
+    """y = x W^T + b for x [M <= MAX_M, K]; `config` overrides the tuned
+    choice (benchmarks sweep through it). The config's split over K runs
+    only with a `workspace` (its arena holds the fp32 partials, its tickets
+    count the slices); without one, one program per tile takes all of K."""
     check_operands("skinny_linear", "x [M, K], weight [N, K]", x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
@@ -362,7 +372,7 @@ def skinny_linear(
     cfg = config if config is not None else pick_config(m, n, k, _num_sms(x.device))
     if not cfg.use_dot and m != 1:
         raise ValueError("skinny_linear: the FMA config serves M == 1 only")
-    _launch(x, weight, bias, out, n, cfg, fuse_silu_mul=False)
+    _launch(x, weight, bias, out, n, cfg, fuse_silu_mul=False, workspace=workspace)
     return out
 
 
@@ -375,6 +385,7 @@ def _launch(
     cfg: GemvConfig,
     fuse_silu_mul: bool,
     norm: NormPrologue | None = None,
+    workspace: Workspace | None = None,
 ) -> None:
     """One _skinny_gemm_kernel launch over n output columns (checked args).
     `norm`: x is RMSNorm's input (the NORM prologue; one K step, M == 1)."""
@@ -387,16 +398,13 @@ def _launch(
     tiles = triton.cdiv(n, cols)
     if norm is not None and (use_dot or m != 1 or block_k < k):
         raise ValueError("skinny GEMM: the RMSNorm prologue needs M == 1 and one K step")
-    split, k_split = 1, k
-    if use_dot and cfg.split_k > 1 and not fuse_silu_mul and norm is None:
+    split, k_split, parts, tickets = 1, k, out, out
+    if use_dot and cfg.split_k > 1 and not fuse_silu_mul and norm is None and workspace is not None:
         k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
         split = triton.cdiv(k, k_split)
     if split > 1:
-        parts, tickets = _split_buffers(x.device)
-        if split * tiles * block_m * block_n > parts.numel() or tiles > tickets.numel():
-            split, k_split = 1, k  # past the fixed capacity: one program per tile
-    if split == 1:
-        parts = tickets = out
+        parts = workspace.get(((split * tiles * block_m * block_n,), torch.float32))[0]
+        tickets = workspace.tickets(tiles)
     nw, res, res_out = (norm.weight, norm.residual, norm.residual_out) if norm else (x, None, None)
     _skinny_gemm_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out,
@@ -412,24 +420,3 @@ def _launch(
         HAS_SPLIT=split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device),
     )  # fmt: skip
-
-
-def _split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's split-K partials (fp32) and tile tickets (int32, zero
-    between launches: the last program of a tile resets its ticket).
-    Allocated once, at the first split launch, which the engine's profile
-    stage makes before any graph is captured; allocating during a capture
-    fails loudly instead (the graph would own the memory)."""
-    state = _split_state.get(device)
-    if state is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "skinny GEMM: the first split-K launch on this device is inside a CUDA graph "
-                "capture; run the shape eagerly first (the engine's profile stage does)"
-            )
-        state = (
-            torch.empty(SPLIT_PARTIAL_FLOATS, dtype=torch.float32, device=device),
-            torch.zeros(SPLIT_TICKETS, dtype=torch.int32, device=device),
-        )
-        _split_state[device] = state
-    return state

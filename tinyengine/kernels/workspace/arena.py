@@ -12,6 +12,13 @@ to some other tensor. The startup state machine sizes the arena during profile
 and warmup (growth is free then), captures graphs, and then locks it, so any
 late growth becomes a loud error naming the caller instead of silent
 corruption.
+
+Tickets. A kernel whose programs finish a shared result together (the
+last split of a row merges the others' partials) counts arrivals in int32
+tickets that must read 0 when it starts and that it leaves at 0. They
+cannot live in the arena, whose bytes every op overwrites, so the arena
+keeps a second, persistent buffer of them (`tickets`), zeroed when it is
+allocated and growing under the same lock.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 ALIGNMENT = 256  # bytes: every view starts on a 256-byte boundary (TMA and vector loads like it)
 _GROWTH_GRANULE = 1 << 20  # grow in whole MiB so a sequence of slightly larger asks is cheap
+_TICKET_GRANULE = 4096  # tickets per growth step (16 KB)
 
 Spec = tuple[Sequence[int], torch.dtype]
 
@@ -72,6 +80,7 @@ class Workspace:
         self.stage = "unstaged"  # set by the startup state machine, recorded with each growth
         self.stats = WorkspaceStats()
         self._locked = False
+        self._tickets = torch.zeros(0, dtype=torch.int32, device=self.device)
 
     @property
     def locked(self) -> bool:
@@ -108,19 +117,40 @@ class Workspace:
             views.append(self.buffer[offset : offset + nbytes].view(dtype).view(tuple(shape)))
         return views
 
-    def _grow(self, nbytes: int) -> None:
-        caller = _caller()
+    @property
+    def num_tickets(self) -> int:
+        return self._tickets.numel()
+
+    def tickets(self, n: int) -> torch.Tensor:
+        """n int32 counters that read 0 between kernels: the kernel that uses
+        them must leave them at 0 (module docstring). Persistent: never part
+        of a `get` view. Growing them follows the arena's rules (not when
+        locked or capturing) and is recorded among its growths."""
+        if n > self._tickets.numel():
+            new_size = -(-n // _TICKET_GRANULE) * _TICKET_GRANULE
+            caller = self._check_growth(n * 4, self._tickets.numel() * 4, _caller())
+            self.stats.growths.append(Growth(self.stage, self._tickets.numel() * 4,
+                                             new_size * 4, caller))  # fmt: skip
+            self._tickets = torch.zeros(new_size, dtype=torch.int32, device=self.device)
+        return self._tickets[:n]
+
+    def _check_growth(self, nbytes: int, held: int, caller: str) -> str:
+        """Raise if memory a captured graph may hold would be replaced now."""
         if self._locked:
             raise WorkspaceLockedError(
                 f"workspace is locked (stage {self.stage!r}): {caller} asked for {nbytes} bytes "
-                f"but the arena holds {self.size} bytes. Growing now would free memory that "
+                f"but it holds {held} bytes. Growing now would free memory that "
                 "captured CUDA graphs still use; warm this shape up before capture instead."
             )
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise WorkspaceLockedError(
                 f"workspace growth during CUDA graph capture: {caller} asked for {nbytes} bytes "
-                f"but the arena holds {self.size} bytes; this shape was not warmed up"
+                f"but it holds {held} bytes; this shape was not warmed up"
             )
+        return caller
+
+    def _grow(self, nbytes: int) -> None:
+        caller = self._check_growth(nbytes, self.size, _caller())
         new_size = -(-nbytes // _GROWTH_GRANULE) * _GROWTH_GRANULE
         self.stats.growths.append(Growth(self.stage, self.size, new_size, caller))
         # The old buffer is dropped here: any raw pointer into it (a captured
