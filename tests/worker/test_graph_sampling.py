@@ -52,8 +52,8 @@ def _with_draw(monkeypatch) -> None:
 
     choose = runner_module.choose_ops
 
-    def choose_with_draw(backend: str, device_type: str):
-        return dataclasses.replace(choose(backend, device_type), sample_draw=gumbel_argmax_torch)
+    def choose_with_draw(*args, **kwargs):
+        return dataclasses.replace(choose(*args, **kwargs), sample_draw=gumbel_argmax_torch)
 
     monkeypatch.setattr(runner_module, "choose_ops", choose_with_draw)
 
