@@ -210,9 +210,7 @@ def _skinny_gemm_kernel(
     rounding as norm/triton.py's kernel does, and multiplies that row: the
     norm kernel and its launch are gone from the step.
 
-    HAS_SPLIT (DOT, not fused; SPLIT_K a runtime value, so one compiled
-    kernel serves a shape's split and unsplit launches): grid (tiles,
-    SPLIT_K); with SPLIT_K > 1 program (p, s) sums
+    HAS_SPLIT (DOT, not fused): grid (tiles, SPLIT_K); program (p, s) sums
     K slice [s * K_SPLIT, (s + 1) * K_SPLIT) of tile p into fp32 partials
     (part_ptr, [SPLIT_K, tiles, BLOCK_M, BLOCK_N]) and takes a ticket on
     tile p; the program that takes the last ticket adds the partials in
@@ -296,7 +294,7 @@ def _skinny_gemm_kernel(
         res = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
         res = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-    if HAS_SPLIT and SPLIT_K > 1:
+    if HAS_SPLIT:
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tiles = tl.num_programs(0)
         tl.store(part_ptr + (tl.program_id(1) * tiles + pid) * (BLOCK_M * BLOCK_N) + tile, res)
@@ -419,6 +417,6 @@ def _launch(
         LOOP_STAGES=cfg.num_stages, UPCAST=interpreting(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
         FUSE_SILU_MUL=fuse_silu_mul, NORM=norm is not None, NORM_RESIDUAL=res is not None,
-        HAS_SPLIT=use_dot and not fuse_silu_mul and norm is None,
+        HAS_SPLIT=split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device),
     )  # fmt: skip
