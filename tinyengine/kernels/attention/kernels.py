@@ -244,9 +244,10 @@ def _decode_split_kernel(
     tile, is loaded after the wait into the rows the early load left zero.
     Behind the wait that leaves the query and one masked row, not a chain
     of index, block-table and cache loads. EARLY_K=False (the launcher's
-    choice for tiles of more than one warp) reads only the indices before
-    the wait: there, the early tile's registers pushed ptxas into ~2-3x the
-    spills, and no run has measured that trade.
+    choice for tiles of more than one warp, which no preset's group size
+    reaches) reads only the indices before the wait: the early tile was
+    measured on the 1-warp tile only (ptxas, sm_90a: 0 spills there, 4
+    bytes on the 4-warp tile).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
