@@ -271,7 +271,9 @@ def test_layers_use_f_linear_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gpu_llama8b_shapes(m: int, n: int, k: int) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    assert gemv.skinny_linear_ok(x, w) == (m <= gemv.DISPATCH_MAX_M)
+    # More than one row: these weights are past the multi-row size limit,
+    # so F.linear (cuBLAS) serves them; the kernel still computes them right.
+    assert gemv.skinny_linear_ok(x, w) == (m == 1)
     out = skinny_linear(x, w)
     ref = x.float() @ w.float().T
     assert torch.allclose(out.float(), ref, rtol=2**-6, atol=2**-6)

@@ -102,19 +102,29 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 # Rows the dispatcher sends to the kernel (the rest go to F.linear).
 DISPATCH_MAX_M = 8
+# ... and, for more than one row, only weights up to this many bytes: the DOT
+# loop beat cuBLAS at 2-8 rows on a 0.6B model's 4-13 MB matrices (cuBLAS's
+# large-M tiles leave them few programs), while on Llama-3-8B's 33-235 MB
+# ones cuBLAS won (docs/benchmarks.md); one row always takes the kernel.
+DISPATCH_MAX_BYTES_MULTI_ROW = 16 << 20
 
 
 def skinny_linear_ok(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> bool:
-    """Use the Triton kernel? On CUDA, 2-D x with one row
-    (DISPATCH_MAX_M), bf16/fp16, contiguous weight of the same dtype;
-    otherwise the caller uses F.linear."""
+    """Use the Triton kernel? On CUDA, 2-D x with up to DISPATCH_MAX_M rows
+    (more than one: a weight of at most DISPATCH_MAX_BYTES_MULTI_ROW),
+    bf16/fp16, contiguous weight of the same dtype; otherwise the caller
+    uses F.linear."""
     return (
         x.is_cuda
         and weight.is_cuda
         and x.dim() == 2
         and x.shape[0] <= DISPATCH_MAX_M
+        and (
+            x.shape[0] == 1
+            or weight.numel() * weight.element_size() <= DISPATCH_MAX_BYTES_MULTI_ROW
+        )
         and _eligible(x, weight, bias)
     )
 
