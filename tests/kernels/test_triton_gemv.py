@@ -292,6 +292,18 @@ def test_pick_config_splits_k_for_few_output_tiles() -> None:
     assert pick_config(1, 1024, 2048, 132).split_k == 1  # the FMA path never splits
 
 
+def test_split_k_past_a_locked_arena_runs_unsplit() -> None:
+    """After the lock only eager steps call the kernel (graphs replay): a
+    split whose partials a locked arena cannot hold runs one program per
+    tile instead of raising, and takes no ticket."""
+    x, w, b, ref = _problem(4, 40, 300, torch.float32, True)
+    cfg = GemvConfig(16, 32, 4, 2, use_dot=True, split_k=3)
+    ws = Workspace(x.device)
+    ws.lock()
+    _check(skinny_linear(x, w, b, config=cfg, workspace=ws), ref, torch.float32)
+    assert ws.size == 0 and ws.num_tickets == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [2, 5, 16])
 @pytest.mark.parametrize("n,k,split", [(48, 256, 2), (40, 300, 3), (64, 512, 4), (33, 96, 8)])

@@ -53,7 +53,7 @@ from tinyengine.kernels.device_fn import device_fn
 from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
-from tinyengine.kernels.workspace import Workspace
+from tinyengine.kernels.workspace import Workspace, WorkspaceLockedError
 
 MAX_M = 16
 
@@ -366,7 +366,8 @@ def skinny_linear(
     """y = x W^T + b for x [M <= MAX_M, K]; `config` overrides the tuned
     choice (benchmarks sweep through it). The config's split over K runs
     only with a `workspace` (its arena holds the fp32 partials, its tickets
-    count the slices); without one, one program per tile takes all of K."""
+    count the slices); without one, or past a locked arena's size, one
+    program per tile takes all of K."""
     check_operands("skinny_linear", "x [M, K], weight [N, K]", x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
@@ -413,8 +414,16 @@ def _launch(
         k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
         split = triton.cdiv(k, k_split)
     if split > 1:
-        parts = workspace.get(((split * tiles * block_m * block_n,), torch.float32))[0]
-        tickets = workspace.tickets(tiles)
+        try:
+            parts = workspace.get(((split * tiles * block_m * block_n,), torch.float32))[0]
+            tickets = workspace.tickets(tiles)
+        except WorkspaceLockedError:
+            if not workspace.locked:
+                raise  # growth during a capture: this shape was not warmed up
+            # After the lock nothing is captured any more: this is an eager
+            # step whose split would outgrow the arena, and one program per
+            # tile needs no scratch.
+            split, k_split, parts, tickets = 1, k, out, out
     nw, res, res_out = (norm.weight, norm.residual, norm.residual_out) if norm else (x, None, None)
     _skinny_gemm_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out,
