@@ -42,7 +42,7 @@ MN_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, use_d
 SPLIT_K_BELOW = 2
 SPLIT_K_MAX = 8
 # Per-shape overrides, keyed (m_bucket, N, K) with m_bucket 1 for M == 1 and 8
-# for 2 <= M <= 8 (those must have use_dot=True); e.g.
+# for 2 <= M <= 16 (those must have use_dot=True); e.g.
 # {(1, 4096, 14336): GemvConfig(4, 1024, 4, 3, False)}. Overrides are used as-is.
 SHAPE_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 # M == 1 with K up to this: one K step per program (BLOCK_K = next power of

@@ -19,9 +19,9 @@ accumulates in fp32. Two inner loops, picked per config:
           ("swap AB": the weight is the MMA's A operand, x padded to 16 rows),
           the loads software-pipelined over num_stages. When the output has
           too few tiles to cover the SMs (a small model's o_proj, down_proj)
-          the config splits K (HAS_SPLIT): fp32 partials in the workspace's
-          arena, summed in slice order by the tile's last program, found by
-          an atomic ticket (the workspace's persistent counters, left at 0).
+          the config splits K (HAS_SPLIT, gemv/split_k.py): fp32 partials in
+          the workspace's arena, summed in slice order by the tile's last
+          program, found by an atomic ticket.
           Under TRITON_INTERPRET=1 the tiles are upcast to fp32 before the dot
           (the interpreter computes bf16 dots wrongly).
 
@@ -51,9 +51,10 @@ import triton.language as tl
 
 from tinyengine.kernels.device_fn import device_fn
 from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
+from tinyengine.kernels.gemv.split_k import split_k_plan, sum_slices
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
-from tinyengine.kernels.workspace import Workspace, WorkspaceLockedError
+from tinyengine.kernels.workspace import Workspace
 
 MAX_M = 16
 
@@ -221,12 +222,8 @@ def _skinny_gemm_kernel(
     norm kernel and its launch are gone from the step.
 
     HAS_SPLIT (DOT, not fused): grid (tiles, SPLIT_K); program (p, s) sums
-    K slice [s * K_SPLIT, (s + 1) * K_SPLIT) of tile p into fp32 partials
-    (part_ptr, [SPLIT_K, tiles, BLOCK_M, BLOCK_N]) and takes a ticket on
-    tile p; the program that takes the last ticket adds the partials in
-    slice order (so the sum does not depend on which program finished
-    last), resets the ticket to 0 for the next launch and runs the
-    epilogue. Tickets and partials are touched only after the PDL wait."""
+    K slice [s * K_SPLIT, (s + 1) * K_SPLIT) of tile p, and the tile's last
+    program adds the slices (gemv/split_k.py) and runs the epilogue."""
     pid = tl.program_id(0)
     if HAS_SPLIT:
         k_lo = tl.program_id(1) * K_SPLIT
@@ -305,19 +302,9 @@ def _skinny_gemm_kernel(
     else:
         res = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     if HAS_SPLIT:
-        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tiles = tl.num_programs(0)
-        tl.store(part_ptr + (tl.program_id(1) * tiles + pid) * (BLOCK_M * BLOCK_N) + tile, res)
-        tl.debug_barrier()  # every thread's partial is stored before the ticket
-        ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel")
-        if ticket != SPLIT_K - 1:
+        res, last = sum_slices(res, part_ptr, ticket_ptr, pid, SPLIT_K, BLOCK_M, BLOCK_N)
+        if not last:
             return
-        res = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(SPLIT_K):
-            res += tl.load(
-                part_ptr + (s * tiles + pid) * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg"
-            )
-        tl.store(ticket_ptr + pid, 0)
 
     if HAS_BIAS:
         if FUSE_SILU_MUL:
@@ -409,21 +396,10 @@ def _launch(
     tiles = triton.cdiv(n, cols)
     if norm is not None and (use_dot or m != 1 or block_k < k):
         raise ValueError("skinny GEMM: the RMSNorm prologue needs M == 1 and one K step")
-    split, k_split, parts, tickets = 1, k, out, out
-    if use_dot and cfg.split_k > 1 and not fuse_silu_mul and norm is None and workspace is not None:
-        k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
-        split = triton.cdiv(k, k_split)
-    if split > 1:
-        try:
-            parts = workspace.get(((split * tiles * block_m * block_n,), torch.float32))[0]
-            tickets = workspace.tickets(tiles)
-        except WorkspaceLockedError:
-            if not workspace.locked:
-                raise  # growth during a capture: this shape was not warmed up
-            # After the lock nothing is captured any more: this is an eager
-            # step whose split would outgrow the arena, and one program per
-            # tile needs no scratch.
-            split, k_split, parts, tickets = 1, k, out, out
+    split_k = cfg.split_k if use_dot and not fuse_silu_mul and norm is None else 1
+    split, k_split, parts, tickets = split_k_plan(
+        workspace, split_k, k, block_k, block_m, block_n, tiles, out
+    )
     nw, res, res_out = (norm.weight, norm.residual, norm.residual_out) if norm else (x, None, None)
     _skinny_gemm_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out,
