@@ -86,10 +86,28 @@ def test_reference_matches_f_linear() -> None:
     assert torch.allclose(skinny_linear_torch(x, w, b), F.linear(x, w, b), atol=1e-5)
 
 
-def test_fma_config_rejects_m_above_1() -> None:
-    x, w, _, _ = _problem(2, 32, 64, torch.float32, False)
-    with pytest.raises(ValueError):
+def test_fma_config_rejects_rows_over_several_k_steps() -> None:
+    x, w, _, _ = _problem(2, 32, 128, torch.float32, False)
+    with pytest.raises(ValueError, match="more than one row in one K step"):
         skinny_linear(x, w, config=FMA_SMALL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [2, 3, 8])
+@pytest.mark.parametrize("n,k", [(200, 256), (77, 200), (48, 64)])  # tails in N and K
+@pytest.mark.parametrize("bias", [False, True])
+def test_fma_rows_equal_one_row_launches(
+    dtype: torch.dtype, m: int, n: int, k: int, bias: bool
+) -> None:
+    """2-8 rows on the one-step FMA tile: each row's output is, bit for bit,
+    the one-row launch of that row (the same sum in the same order)."""
+    x, w, b, ref = _problem(m, n, k, dtype, bias)
+    cfg = pick_config(m, n, k, 132)
+    assert not cfg.use_dot and cfg.block_k >= k and cfg.block_n >= triton.next_power_of_2(m)
+    out = skinny_linear(x, w, b, config=cfg)
+    _check(out, ref, dtype)
+    for i in range(m):
+        assert torch.equal(out[i : i + 1], skinny_linear(x[i : i + 1], w, b, config=cfg))
 
 
 @pytest.mark.parametrize("m", [0, 17])
@@ -111,8 +129,9 @@ def test_pick_config_host_only() -> None:
         for m in (1, 2, 8):
             cfg = pick_config(m, n, k, 132)
             assert cfg.block_n >= (16 if cfg.use_dot else 1)
-            if m > 1:
-                assert cfg.use_dot  # the FMA loop serves M == 1 only
+            if m > 1:  # the FMA loop serves more rows in one K step only
+                assert cfg.use_dot == (k > gemv_tiles.ONE_STEP_MAX_K)
+                assert pick_config(m, n, k, 132, tensor_cores=True).use_dot
             if not cfg.use_dot and cfg.block_n > gemv_tiles.MIN_BLOCK_N_FMA:
                 assert -(-n // cfg.block_n) >= gemv_tiles.MIN_PROGRAMS_PER_SM * 132
             if cfg.use_dot:  # these matrices have enough tiles: no split
@@ -121,8 +140,9 @@ def test_pick_config_host_only() -> None:
 
 def test_one_row_with_short_k_gets_a_one_step_tile() -> None:
     """M == 1 and K <= ONE_STEP_MAX_K: the whole row width in one K step (no
-    loop), at most ONE_STEP_ELEMS weight elements a program; longer K keeps
-    the pipelined loop, and more rows the MMA config."""
+    loop), at most ONE_STEP_ELEMS weight elements a program; up to FMA_MAX_M
+    rows take the same tile, more rows (or tensor_cores) the MMA config, and
+    longer K the pipelined loop."""
     for n, k in [(4096, 1024), (6144, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (37, 100)]:
         cfg = pick_config(1, n, k, 132)
         assert not cfg.use_dot and cfg.num_stages == 1
@@ -130,7 +150,10 @@ def test_one_row_with_short_k_gets_a_one_step_tile() -> None:
         assert cfg.block_n * cfg.block_k <= max(
             gemv_tiles.ONE_STEP_ELEMS, gemv_tiles.MIN_BLOCK_N_FMA * cfg.block_k
         )
-        assert pick_config(2, n, k, 132).use_dot
+        rows = pick_config(gemv_tiles.FMA_MAX_M, n, k, 132)
+        assert not rows.use_dot and rows.block_k == cfg.block_k
+        assert pick_config(gemv_tiles.FMA_MAX_M + 1, n, k, 132).use_dot
+        assert pick_config(2, n, k, 132, tensor_cores=True).use_dot
     cfg = pick_config(1, 4096, 14336, 132)
     assert cfg.block_k < 14336 and cfg == gemv_tiles.M1_CONFIG
 
@@ -284,11 +307,11 @@ def test_pick_config_splits_k_for_few_output_tiles() -> None:
     132 SMs: K splits until the programs cover the SMs (<= SPLIT_K_MAX, each
     slice >= 2 K steps); matrices with enough tiles are not split."""
     for n, k in [(1024, 2048), (1024, 3072)]:
-        cfg = pick_config(8, n, k, 132)
+        cfg = pick_config(8, n, k, 132, tensor_cores=True)
         assert 2 <= cfg.split_k <= gemv_tiles.SPLIT_K_MAX
         assert k // cfg.split_k >= 2 * cfg.block_k
-    assert pick_config(8, 1024, 256, 132).split_k == 1  # K too short to split
-    assert pick_config(8, 6144, 1024, 132).split_k == 1
+    assert pick_config(8, 1024, 256, 132, tensor_cores=True).split_k == 1  # K too short
+    assert pick_config(8, 6144, 1024, 132, tensor_cores=True).split_k == 1
     assert pick_config(1, 1024, 2048, 132).split_k == 1  # the FMA path never splits
 
 

@@ -137,8 +137,9 @@ def test_fused_rejects_bad_args() -> None:
         skinny_linear_silu_mul(x.expand(gemv.MAX_M + 1, -1), w)
     with pytest.raises(ValueError, match="M must be in"):
         skinny_linear_silu_mul(x[:0], w)
-    with pytest.raises(ValueError, match="FMA config serves M == 1"):
-        skinny_linear_silu_mul(x.expand(2, -1), w, config=FMA_SMALL)
+    x2, w2, _ = _problem(8, 128, torch.float32, False)  # two K steps of FMA_SMALL
+    with pytest.raises(ValueError, match="FMA config serves more than one row in one K step"):
+        skinny_linear_silu_mul(x2.expand(2, -1), w2, config=FMA_SMALL)
     with pytest.raises(ValueError, match="even row count"):
         skinny_linear_silu_mul(x, w[:15])
     with pytest.raises(ValueError, match="need x"):

@@ -75,7 +75,7 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
 def _skinny_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     """The skinny kernel's tensor-core config for m <= 8 rows (never FMA,
     M == 1's default)."""
-    return _ONE_ROW if m == 1 else pick_config(m, n, k, _num_sms(device))
+    return _ONE_ROW if m == 1 else pick_config(m, n, k, _num_sms(device), tensor_cores=True)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

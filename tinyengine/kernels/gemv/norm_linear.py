@@ -32,7 +32,7 @@ import torch
 import tinyengine.kernels.gemv.silu as gemv_silu
 import tinyengine.kernels.gemv.triton as gemv
 from tinyengine.kernels.gemv.reference import rms_norm_linear_of
-from tinyengine.kernels.gemv.tiles import pick_config
+from tinyengine.kernels.gemv.tiles import FMA_MAX_M, pick_config
 from tinyengine.kernels.norm.triton import rms_norm
 
 MIN_FUSED_BLOCK_N = 4
@@ -40,7 +40,7 @@ MIN_FUSED_BLOCK_N = 4
 
 def _fusable(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None,
              weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> bool:  # fmt: skip
-    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
+    if x.dim() != 2 or not 1 <= x.shape[0] <= FMA_MAX_M or not x.is_contiguous():
         return False
     if not gemv.skinny_linear_ok(x, weight, bias):
         return False
@@ -52,11 +52,11 @@ def _fusable(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor 
         return False
     if silu_mul and weight.shape[0] % 2:
         return False
-    cfg = pick_config(1, weight.shape[0], k, gemv._num_sms(x.device))
+    cfg = pick_config(x.shape[0], weight.shape[0], k, gemv._num_sms(x.device))
     # Each program reads the row (and the residual) whole: 2K elements beside
     # its BLOCK_N x K of weight. At BLOCK_N < 4 that is half of its bytes or
     # more (from L2, but on the step's critical path), so those stay unfused.
-    return cfg.block_k >= k and cfg.block_n >= MIN_FUSED_BLOCK_N
+    return not cfg.use_dot and cfg.block_k >= k and cfg.block_n >= MIN_FUSED_BLOCK_N
 
 
 def rms_norm_linear_with(linear: Callable[..., torch.Tensor]) -> Callable[..., Any]:
@@ -100,16 +100,16 @@ def skinny_rms_norm_linear(
     gemv.check_operands("skinny_rms_norm_linear", "x [1, K], weight [N, K]", x, weight, bias)
     m, k = x.shape
     n_rows = weight.shape[0]
-    cfg = pick_config(1, n_rows, k, gemv._num_sms(x.device))
-    if m != 1 or cfg.use_dot or cfg.block_k < k:
+    cfg = pick_config(m, n_rows, k, gemv._num_sms(x.device))
+    if cfg.use_dot or cfg.block_k < k:
         raise ValueError(
-            f"skinny_rms_norm_linear: needs one row and K <= one tile step; got x "
+            f"skinny_rms_norm_linear: needs the FMA tile and K <= one step; got x "
             f"{tuple(x.shape)} and the tile {cfg}"
         )
     if silu_mul and n_rows % 2:
         raise ValueError(f"skinny_rms_norm_linear: gate_up needs an even row count, got {n_rows}")
     n = n_rows // 2 if silu_mul else n_rows
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else None
     norm = gemv.NormPrologue(norm_weight, eps, residual, residual_out)
     if n > 0:

@@ -73,8 +73,6 @@ def skinny_linear_silu_mul(
         return out
 
     cfg = config if config is not None else pick_config(m, n2, k, _num_sms(x.device))
-    if not cfg.use_dot and m != 1:
-        raise ValueError(f"{name}: the FMA config serves M == 1 only")
     if not cfg.use_dot and (cfg.block_n < 2 or cfg.block_n & (cfg.block_n - 1)):
         raise ValueError(
             f"skinny_linear_silu_mul: BLOCK_N must be a power of two >= 2, got {cfg.block_n}"

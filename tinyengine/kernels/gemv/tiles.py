@@ -51,6 +51,11 @@ SHAPE_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 # go out before the kernel waits for the one before it (gemv/triton.py).
 ONE_STEP_MAX_K = 4096
 ONE_STEP_ELEMS = 8192
+# 2 <= M <= FMA_MAX_M with K up to ONE_STEP_MAX_K: the same one-step FMA
+# tiles, each program multiplying its weight slice by every row in turn, so
+# the slice is requested at once (before the PDL wait) as at one row, and
+# each row's sum is the one-row kernel's. Beyond that, the DOT loop.
+FMA_MAX_M = 8
 # Halve BLOCK_N (down to the minimum below) until there are at least this many
 # programs per SM, so small-N shapes still fill the GPU.
 MIN_PROGRAMS_PER_SM = 2
@@ -58,12 +63,18 @@ MIN_BLOCK_N_FMA = 2
 MIN_BLOCK_N_DOT = 16
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """The config for one problem, from host ints only (graph-capture safe)."""
+def pick_config(
+    m: int, n: int, k: int, num_sms: int, *, tensor_cores: bool = False
+) -> GemvConfig:
+    """The config for one problem, from host ints only (graph-capture safe).
+    `tensor_cores`: the DOT loop for every M > 1 (the batch-invariant op
+    set, whose rows must not depend on how many there are)."""
     cfg = SHAPE_CONFIGS.get((1 if m == 1 else 8, n, k))
     if cfg is None:
-        cfg = M1_CONFIG if m == 1 else MN_CONFIG
-        if m == 1 and k <= ONE_STEP_MAX_K:
+        one_step = k <= ONE_STEP_MAX_K
+        fma = m == 1 or (one_step and m <= FMA_MAX_M and not tensor_cores)
+        cfg = M1_CONFIG if fma else MN_CONFIG
+        if fma and one_step:
             bk = triton.next_power_of_2(k)
             cfg = dataclasses.replace(
                 cfg, block_n=max(MIN_BLOCK_N_FMA, ONE_STEP_ELEMS // bk), block_k=bk, num_stages=1
@@ -71,8 +82,11 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
         if cfg.use_dot:
             cfg = dataclasses.replace(cfg, split_k=_split_k(n, k, cfg, num_sms))
         else:
-            bn = cfg.block_n
-            while bn > MIN_BLOCK_N_FMA and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:
+            # Each program reads its rows of x beside its weight rows: at
+            # least as many weight rows as x rows, or x's bytes dominate.
+            floor = max(MIN_BLOCK_N_FMA, triton.next_power_of_2(m))
+            bn = max(cfg.block_n, floor)
+            while bn > floor and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:
                 bn //= 2
             if bn != cfg.block_n:
                 cfg = dataclasses.replace(cfg, block_n=bn)

@@ -183,6 +183,35 @@ def _rms_normed_row(
     return (normed * nw).to(x.dtype)
 
 
+@device_fn
+def _fma_rows(
+    acc, w, x_ptr, res_ptr, res_out_ptr, nw_ptr, M, K, eps, k_lo, stride_xm, pid,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+    NORM_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] of the one-step weight tile w [BLOCK_N,
+    BLOCK_K] times each row of x (normalized first with NORM): row m's sum is
+    the one-row kernel's, sum(w * x_m) over the tile, whatever M is."""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k[None, :] < K
+    wf = w.to(tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    for m in tl.static_range(BLOCK_M):
+        row_ok = k_ok & (tl.zeros_like(offs_k)[None, :] + m < M)
+        row_ptrs = x_ptr + m * stride_xm + (k_lo + offs_k)[None, :]
+        if NORM:
+            xm = _rms_normed_row(
+                row_ptrs, res_ptr + m * K, res_out_ptr + m * K, nw, offs_k, row_ok, K, eps,
+                pid, NORM_RESIDUAL,
+            )  # fmt: skip
+        else:
+            xm = tl.load(row_ptrs, mask=row_ok, other=0.0)
+        acc = tl.where(rows == m, tl.sum(wf * xm.to(tl.float32), axis=1)[None, :], acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["K_SPLIT", "SPLIT_K"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, res_ptr, res_out_ptr, part_ptr, ticket_ptr,
@@ -194,7 +223,7 @@ def _skinny_gemm_kernel(
     LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     FUSE_SILU_MUL: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     NORM: tl.constexpr = False, NORM_RESIDUAL: tl.constexpr = False,
-    HAS_SPLIT: tl.constexpr = False,
+    HAS_SPLIT: tl.constexpr = False, FMA_ROWS: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (cdiv(N, BLOCK_N),): program p computes out[:, p*BLOCK_N : +BLOCK_N]
     over the whole K. Rows past N are wrapped (not masked) so weight loads stay
@@ -215,18 +244,27 @@ def _skinny_gemm_kernel(
     lets the next kernel start. With a one-step tile (K <= BLOCK_K) the whole
     weight slice is in flight before the wait.
 
-    NORM (M == 1, one K step: K <= BLOCK_K): x is RMSNorm's input, not the
-    linear's. Every program normalizes the row itself (norm weight nw, eps;
-    NORM_RESIDUAL: x + residual first, which program 0 stores to res_out),
-    rounding as norm/triton.py's kernel does, and multiplies that row: the
-    norm kernel and its launch are gone from the step.
+    FMA_ROWS (FMA, 2 <= M <= BLOCK_M, one K step): the weight slice is
+    loaded once and multiplied by each row in turn, each row's sum formed
+    exactly as the one-row kernel forms it; accumulator [BLOCK_M, BLOCK_N].
 
-    HAS_SPLIT (DOT, not fused): grid (tiles, SPLIT_K); program (p, s) sums
-    K slice [s * K_SPLIT, (s + 1) * K_SPLIT) of tile p, and the tile's last
-    program adds the slices (gemv/split_k.py) and runs the epilogue."""
+    NORM (FMA, one K step: K <= BLOCK_K): x is RMSNorm's input, not the
+    linear's. Every program normalizes the rows itself (norm weight nw, eps;
+    NORM_RESIDUAL: x + residual first, which program 0 stores to res_out,
+    contiguous [M, K] like the residual), rounding as norm/triton.py's kernel
+    does, and multiplies them: the norm kernel and its launch are gone from
+    the step.
+
+    HAS_SPLIT (every plain DOT launch, so split and unsplit are one
+    compile): grid (tiles, SPLIT_K); program (p, s) sums K slice
+    [s * K_SPLIT, (s + 1) * K_SPLIT) of tile p, and with SPLIT_K > 1 the
+    tile's last program adds the slices (gemv/split_k.py) and runs the
+    epilogue."""
     pid = tl.program_id(0)
     if HAS_SPLIT:
-        k_lo = tl.program_id(1) * K_SPLIT
+        # A slice starts at a multiple of BLOCK_K (split_k_plan): stated, so
+        # the weight loads stay 16-byte vectors (K_SPLIT is not specialized).
+        k_lo = tl.multiple_of(tl.program_id(1) * K_SPLIT, BLOCK_K)
         k_len = tl.minimum(K_SPLIT, K - k_lo)
     else:
         k_lo = 0
@@ -258,12 +296,14 @@ def _skinny_gemm_kernel(
     # per step). DOT: a [BLOCK_N, BLOCK_M] MMA accumulator.
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif FMA_ROWS:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif REDUCE_EACH_STEP:
         acc = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_first = 0
-    if USE_PDL or NORM:  # the first step peeled: its weight loads go out before the wait
+    if USE_PDL or NORM or FMA_ROWS:  # the first step peeled: weight loads before the wait
         k_ok = offs_k[None, :] < k_len
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -274,37 +314,49 @@ def _skinny_gemm_kernel(
         if USE_PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if NORM:
+        if FMA_ROWS:
+            acc = _fma_rows(
+                acc, w, x_ptr, res_ptr, res_out_ptr, nw_ptr, M, K, eps, k_lo, stride_xm, pid,
+                BLOCK_M, BLOCK_K, NORM, NORM_RESIDUAL,
+            )  # fmt: skip
+        elif NORM:
             xk = _rms_normed_row(
                 x_ptrs, res_ptr, res_out_ptr, nw, offs_k, k_ok, K, eps, pid, NORM_RESIDUAL
             )
+        elif EVEN_K:  # every slice is whole K steps: no mask along K
+            xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
         else:
             xk = tl.load(x_ptrs, mask=m_mask & k_ok, other=0.0)
-        acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
+        if not FMA_ROWS:
+            acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_first = BLOCK_K
     # Software-pipelined over LOOP_STAGES (FMA: cp.async into shared memory
     # only when asked explicitly; LOOP_STAGES == 1 keeps plain register loads).
-    for k0 in tl.range(k_first, k_len, BLOCK_K, num_stages=LOOP_STAGES):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < k_len
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
-        acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    if not FMA_ROWS:
+        for k0 in tl.range(k_first, k_len, BLOCK_K, num_stages=LOOP_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
+            else:
+                k_mask = (k0 + offs_k) < k_len
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+                xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
+            acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     if USE_DOT:
         res = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    elif FMA_ROWS:
+        res = acc
     else:
         res = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     if HAS_SPLIT:
-        res, last = sum_slices(res, part_ptr, ticket_ptr, pid, SPLIT_K, BLOCK_M, BLOCK_N)
-        if not last:
-            return
+        if SPLIT_K > 1:
+            res, last = sum_slices(res, part_ptr, ticket_ptr, pid, SPLIT_K, BLOCK_M, BLOCK_N)
+            if not last:
+                return
 
     if HAS_BIAS:
         if FUSE_SILU_MUL:
@@ -368,8 +420,6 @@ def skinny_linear(
         return out
 
     cfg = config if config is not None else pick_config(m, n, k, _num_sms(x.device))
-    if not cfg.use_dot and m != 1:
-        raise ValueError("skinny_linear: the FMA config serves M == 1 only")
     _launch(x, weight, bias, out, n, cfg, fuse_silu_mul=False, workspace=workspace)
     return out
 
@@ -389,13 +439,17 @@ def _launch(
     `norm`: x is RMSNorm's input (the NORM prologue; one K step, M == 1)."""
     m, k = x.shape
     use_dot = cfg.use_dot
-    block_m = max(16, triton.next_power_of_2(m)) if use_dot else 1  # tl.dot's smallest N: 16
+    block_m = triton.next_power_of_2(m)
+    if use_dot:
+        block_m = max(16, block_m)  # tl.dot's smallest N: 16
     block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
     block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
     cols = block_n // 2 if fuse_silu_mul else block_n  # output columns per program
     tiles = triton.cdiv(n, cols)
-    if norm is not None and (use_dot or m != 1 or block_k < k):
-        raise ValueError("skinny GEMM: the RMSNorm prologue needs M == 1 and one K step")
+    if not use_dot and m > 1 and block_k < k:
+        raise ValueError("skinny GEMM: the FMA config serves more than one row in one K step only")
+    if norm is not None and (use_dot or block_k < k):
+        raise ValueError("skinny GEMM: the RMSNorm prologue needs the FMA config and one K step")
     split_k = cfg.split_k if use_dot and not fuse_silu_mul and norm is None else 1
     split, k_split, parts, tickets = split_k_plan(
         workspace, split_k, k, block_k, block_m, block_n, tiles, out
@@ -412,6 +466,6 @@ def _launch(
         LOOP_STAGES=cfg.num_stages, UPCAST=interpreting(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
         FUSE_SILU_MUL=fuse_silu_mul, NORM=norm is not None, NORM_RESIDUAL=res is not None,
-        HAS_SPLIT=split > 1,
+        HAS_SPLIT=use_dot and not fuse_silu_mul and norm is None, FMA_ROWS=not use_dot and m > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device),
     )  # fmt: skip
