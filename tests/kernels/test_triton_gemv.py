@@ -102,7 +102,7 @@ def test_fma_rows_equal_one_row_launches(
     """2-8 rows on the one-step FMA tile: each row's output is, bit for bit,
     the one-row launch of that row (the same sum in the same order)."""
     x, w, b, ref = _problem(m, n, k, dtype, bias)
-    cfg = pick_config(m, n, k, 132)
+    cfg = gemv_tiles.fma_config(m, n, k, 132)
     assert not cfg.use_dot and cfg.block_k >= k and cfg.block_n >= triton.next_power_of_2(m)
     out = skinny_linear(x, w, b, config=cfg)
     _check(out, ref, dtype)
@@ -130,7 +130,8 @@ def test_pick_config_host_only() -> None:
             cfg = pick_config(m, n, k, 132)
             assert cfg.block_n >= (16 if cfg.use_dot else 1)
             if m > 1:  # the FMA loop serves more rows in one K step only
-                assert cfg.use_dot == (k > gemv_tiles.ONE_STEP_MAX_K)
+                fma = k <= gemv_tiles.ONE_STEP_MAX_K and m <= gemv_tiles.FMA_MAX_M
+                assert cfg.use_dot != fma
                 assert pick_config(m, n, k, 132, tensor_cores=True).use_dot
             if not cfg.use_dot and cfg.block_n > gemv_tiles.MIN_BLOCK_N_FMA:
                 assert -(-n // cfg.block_n) >= gemv_tiles.MIN_PROGRAMS_PER_SM * 132

@@ -32,7 +32,7 @@ import torch
 import tinyengine.kernels.gemv.silu as gemv_silu
 import tinyengine.kernels.gemv.triton as gemv
 from tinyengine.kernels.gemv.reference import rms_norm_linear_of
-from tinyengine.kernels.gemv.tiles import FMA_MAX_M, pick_config
+from tinyengine.kernels.gemv.tiles import FMA_MAX_M, GemvConfig, pick_config
 from tinyengine.kernels.norm.triton import rms_norm
 
 MIN_FUSED_BLOCK_N = 4
@@ -94,13 +94,15 @@ def skinny_rms_norm_linear(
     bias: torch.Tensor | None = None,
     *,
     silu_mul: bool = False,
+    config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused launch (rms_norm_linear's contract) for a one-row x whose
-    K fits one step of the tile pick_config gives; raises otherwise."""
+    """The fused launch (rms_norm_linear's contract) for rows x whose K fits
+    one step of the FMA tile pick_config gives (or `config`, for tests and
+    sweeps); raises otherwise."""
     gemv.check_operands("skinny_rms_norm_linear", "x [1, K], weight [N, K]", x, weight, bias)
     m, k = x.shape
     n_rows = weight.shape[0]
-    cfg = pick_config(m, n_rows, k, gemv._num_sms(x.device))
+    cfg = config if config is not None else pick_config(m, n_rows, k, gemv._num_sms(x.device))
     if cfg.use_dot or cfg.block_k < k:
         raise ValueError(
             f"skinny_rms_norm_linear: needs the FMA tile and K <= one step; got x "

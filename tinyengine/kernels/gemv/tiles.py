@@ -52,10 +52,15 @@ SHAPE_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 ONE_STEP_MAX_K = 4096
 ONE_STEP_ELEMS = 8192
 # 2 <= M <= FMA_MAX_M with K up to ONE_STEP_MAX_K: the same one-step FMA
-# tiles, each program multiplying its weight slice by every row in turn, so
-# the slice is requested at once (before the PDL wait) as at one row, and
-# each row's sum is the one-row kernel's. Beyond that, the DOT loop.
-FMA_MAX_M = 8
+# tiles (`fma_config`), each program multiplying its weight slice by every
+# row in turn, so the slice is requested at once (before the PDL wait) as at
+# one row, and each row's sum is the one-row kernel's. Each row costs the
+# program two cross-warp reductions (its norm, its products): on an H100
+# the qwen3-0.6b decode step at 2 rows took 21% less time than with the DOT
+# loop, at 4 rows the same, at 6-8 rows 60% more (docs/benchmarks.md), so
+# 2 rows take it and more rows the DOT loop. The kernel serves any M up to
+# MAX_M with such a tile (tests and sweeps pass it as `config=`).
+FMA_MAX_M = 2
 # Halve BLOCK_N (down to the minimum below) until there are at least this many
 # programs per SM, so small-N shapes still fill the GPU.
 MIN_PROGRAMS_PER_SM = 2
@@ -63,34 +68,34 @@ MIN_BLOCK_N_FMA = 2
 MIN_BLOCK_N_DOT = 16
 
 
-def pick_config(
-    m: int, n: int, k: int, num_sms: int, *, tensor_cores: bool = False
-) -> GemvConfig:
+def pick_config(m: int, n: int, k: int, num_sms: int, *, tensor_cores: bool = False) -> GemvConfig:
     """The config for one problem, from host ints only (graph-capture safe).
     `tensor_cores`: the DOT loop for every M > 1 (the batch-invariant op
     set, whose rows must not depend on how many there are)."""
     cfg = SHAPE_CONFIGS.get((1 if m == 1 else 8, n, k))
-    if cfg is None:
-        one_step = k <= ONE_STEP_MAX_K
-        fma = m == 1 or (one_step and m <= FMA_MAX_M and not tensor_cores)
-        cfg = M1_CONFIG if fma else MN_CONFIG
-        if fma and one_step:
-            bk = triton.next_power_of_2(k)
-            cfg = dataclasses.replace(
-                cfg, block_n=max(MIN_BLOCK_N_FMA, ONE_STEP_ELEMS // bk), block_k=bk, num_stages=1
-            )
-        if cfg.use_dot:
-            cfg = dataclasses.replace(cfg, split_k=_split_k(n, k, cfg, num_sms))
-        else:
-            # Each program reads its rows of x beside its weight rows: at
-            # least as many weight rows as x rows, or x's bytes dominate.
-            floor = max(MIN_BLOCK_N_FMA, triton.next_power_of_2(m))
-            bn = max(cfg.block_n, floor)
-            while bn > floor and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:
-                bn //= 2
-            if bn != cfg.block_n:
-                cfg = dataclasses.replace(cfg, block_n=bn)
-    return cfg
+    if cfg is not None:
+        return cfg
+    if m == 1 or (k <= ONE_STEP_MAX_K and m <= FMA_MAX_M and not tensor_cores):
+        return fma_config(m, n, k, num_sms)
+    return dataclasses.replace(MN_CONFIG, split_k=_split_k(n, k, MN_CONFIG, num_sms))
+
+
+def fma_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """The FMA tile for m rows: one K step of ONE_STEP_ELEMS weight elements
+    where K <= ONE_STEP_MAX_K (the only form that serves m > 1), else
+    M1_CONFIG's loop; BLOCK_N halved while the programs are too few to fill
+    the SMs, but never below the rows of x each program also reads."""
+    cfg = M1_CONFIG
+    if k <= ONE_STEP_MAX_K:
+        bk = triton.next_power_of_2(k)
+        cfg = dataclasses.replace(
+            cfg, block_n=max(MIN_BLOCK_N_FMA, ONE_STEP_ELEMS // bk), block_k=bk, num_stages=1
+        )
+    floor = max(MIN_BLOCK_N_FMA, triton.next_power_of_2(m))
+    bn = max(cfg.block_n, floor)
+    while bn > floor and triton.cdiv(n, bn) < MIN_PROGRAMS_PER_SM * num_sms:
+        bn //= 2
+    return cfg if bn == cfg.block_n else dataclasses.replace(cfg, block_n=bn)
 
 
 def _split_k(n: int, k: int, cfg: GemvConfig, num_sms: int) -> int:
