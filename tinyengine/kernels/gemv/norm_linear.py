@@ -1,4 +1,4 @@
-"""RMSNorm fused into the linear layer after it, for batch-1 decode: the
+"""RMSNorm fused into the linear layer after it, for 1-2 row decode: the
 Triton op set's `rms_norm_linear`, with the signature of gemv/reference.py's
 
     rms_norm_linear(x [M, K], norm_weight [K], eps, residual [M, K] | None,
@@ -9,12 +9,13 @@ Triton op set's `rms_norm_linear`, with the signature of gemv/reference.py's
 `linear_silu_mul`). A pre-norm decoder layer runs norm -> linear twice, and
 at one row the norm is a launch of its own that reads 2 KB and sits on the
 step's critical path. Here the skinny GEMM (gemv/triton.py, its NORM
-prologue) does it: every program loads the whole row (one K step), forms
-x + residual, normalizes it with the norm kernel's rounding steps, and
-multiplies; program 0 stores the new residual. Only where one K step holds
-the row (K <= gemv/tiles.py's ONE_STEP_MAX_K) with 4 or more weight rows a
-program (K <= 2048; below that the row's bytes rival the weight's) and the
-skinny kernel applies;
+prologue) does it: every program loads the whole rows (one K step), forms
+x + residual, normalizes them with the norm kernel's rounding steps, and
+multiplies; program 0 stores the new residual. Only for the rows the FMA
+tile serves (gemv/tiles.py's FMA_MAX_M), where one K step holds the row
+(K <= ONE_STEP_MAX_K) with 4 or more weight rows a program (K <= 2048;
+below that the row's bytes rival the weight's) and the skinny kernel
+applies;
 everything else runs the Triton norm and then the linear, the same numbers
 up to the order of one fp32 sum of squares.
 

@@ -11,10 +11,14 @@ weight rows, walks K in BLOCK_K-wide coalesced chunks (the x chunk is loaded
 once per step for all M rows, M padded to a constexpr power of two), and
 accumulates in fp32. Two inner loops, picked per config:
 
-  - FMA   (M == 1 only): a [BLOCK_N, BLOCK_K] fp32 accumulator of products,
+  - FMA   (M == 1): a [BLOCK_N, BLOCK_K] fp32 accumulator of products,
           reduced across K once at the end (no per-step shuffles); with
           num_stages >= 2 the weight loads are cp.async-pipelined through
           shared memory, with 1 they are plain 16-byte register loads.
+          More rows (FMA_ROWS) only with a one-step tile (K <= BLOCK_K): the
+          weight slice is loaded once and each row's products are reduced in
+          turn, every row's sum the one-row kernel's (the dispatcher sends
+          2 rows here, gemv/tiles.py says why not more).
   - DOT   (any M <= 16): tl.dot(W tile [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])
           ("swap AB": the weight is the MMA's A operand, x padded to 16 rows),
           the loads software-pipelined over num_stages. When the output has
