@@ -61,7 +61,6 @@ from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
 from tinyengine.kernels.workspace import Workspace
 
 MAX_M = 16
-FMA_ROWS_BLOCK_M = 8  # the FMA_ROWS accumulator's rows (rows past M are skipped)
 
 
 @dataclass(frozen=True)
@@ -204,16 +203,16 @@ def _fma_rows(
         nw = tl.load(nw_ptr + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
     rows = tl.arange(0, BLOCK_M)[:, None]
     for m in tl.static_range(BLOCK_M):
-        if m < M:  # rows past M cost nothing: one compile serves every M
-            row_ptrs = x_ptr + m * stride_xm + (k_lo + offs_k)[None, :]
-            if NORM:
-                xm = _rms_normed_row(
-                    row_ptrs, res_ptr + m * K, res_out_ptr + m * K, nw, offs_k, k_ok, K, eps,
-                    pid, NORM_RESIDUAL,
-                )  # fmt: skip
-            else:
-                xm = tl.load(row_ptrs, mask=k_ok, other=0.0)
-            acc = tl.where(rows == m, tl.sum(wf * xm.to(tl.float32), axis=1)[None, :], acc)
+        row_ok = k_ok & (tl.zeros_like(offs_k)[None, :] + m < M)
+        row_ptrs = x_ptr + m * stride_xm + (k_lo + offs_k)[None, :]
+        if NORM:
+            xm = _rms_normed_row(
+                row_ptrs, res_ptr + m * K, res_out_ptr + m * K, nw, offs_k, row_ok, K, eps,
+                pid, NORM_RESIDUAL,
+            )  # fmt: skip
+        else:
+            xm = tl.load(row_ptrs, mask=row_ok, other=0.0)
+        acc = tl.where(rows == m, tl.sum(wf * xm.to(tl.float32), axis=1)[None, :], acc)
     return acc
 
 
@@ -447,8 +446,6 @@ def _launch(
     block_m = triton.next_power_of_2(m)
     if use_dot:
         block_m = max(16, block_m)  # tl.dot's smallest N: 16
-    elif m > 1:
-        block_m = max(FMA_ROWS_BLOCK_M, block_m)  # FMA_ROWS: one compile for 2..8 rows
     block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
     block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
     cols = block_n // 2 if fuse_silu_mul else block_n  # output columns per program
