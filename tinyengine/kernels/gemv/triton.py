@@ -53,9 +53,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tinyengine.kernels.device_fn import device_fn
 from tinyengine.kernels.gdc import gdc_launch_dependents, gdc_wait
 from tinyengine.kernels.gemv.split_k import split_k_plan, sum_slices
+from tinyengine.kernels.gemv.steps import fma_rows, k_step, rms_normed_row
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
 from tinyengine.kernels.workspace import Workspace
@@ -143,77 +143,6 @@ def linear(
     if skinny_linear_ok(x, weight, bias):
         return skinny_linear(x, weight, bias, workspace=workspace)
     return F.linear(x, weight, bias)
-
-
-@device_fn
-def _k_step(
-    acc, w, xk,
-    USE_DOT: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):  # fmt: skip
-    """One K step: a weight tile [BLOCK_N, BLOCK_K] times an x chunk
-    [BLOCK_M, BLOCK_K] into the accumulator (DOT: the MMA with x^T as its B
-    operand; FMA, BLOCK_M == 1: fp32 products)."""
-    # Both branches end in one return: Triton compiles the code after a
-    # constexpr-if's early return for the taken branch too.
-    if USE_DOT:
-        if UPCAST:  # the interpreter computes bf16 dots wrongly; fp32 is exact
-            w = w.to(tl.float32)
-            xk = xk.to(tl.float32)
-        acc = tl.dot(w, tl.trans(xk), acc, input_precision=DOT_PRECISION)
-    elif REDUCE_EACH_STEP:
-        acc += tl.sum(w.to(tl.float32) * xk.to(tl.float32), axis=1, keep_dims=True)
-    else:
-        acc += w.to(tl.float32) * xk.to(tl.float32)
-    return acc
-
-
-@device_fn
-def _rms_normed_row(
-    x_ptrs, res_ptr, res_out_ptr, nw, offs_k, k_ok, K, eps, pid, HAS_RESIDUAL: tl.constexpr
-):  # fmt: skip
-    """RMSNorm of the row x [1, BLOCK_K] (+ residual) times the norm weight
-    nw (fp32), rounded step for step as norm/triton.py's kernel rounds it;
-    program 0 stores the sum x + residual (the new residual)."""
-    x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + offs_k[None, :], mask=k_ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        if pid == 0:
-            tl.store(res_out_ptr + offs_k[None, :], x, mask=k_ok)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1, keep_dims=True) / K + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)  # HF rounds before the weight
-    return (normed * nw).to(x.dtype)
-
-
-@device_fn
-def _fma_rows(
-    acc, w, x_ptr, res_ptr, res_out_ptr, nw_ptr, M, K, eps, k_lo, stride_xm, pid,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-    NORM_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    """acc [BLOCK_M, BLOCK_N] of the one-step weight tile w [BLOCK_N,
-    BLOCK_K] times each row of x (normalized first with NORM): row m's sum is
-    the one-row kernel's, sum(w * x_m) over the tile, whatever M is."""
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k[None, :] < K
-    wf = w.to(tl.float32)
-    if NORM:
-        nw = tl.load(nw_ptr + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
-    rows = tl.arange(0, BLOCK_M)[:, None]
-    for m in tl.static_range(BLOCK_M):
-        row_ok = k_ok & (tl.zeros_like(offs_k)[None, :] + m < M)
-        row_ptrs = x_ptr + m * stride_xm + (k_lo + offs_k)[None, :]
-        if NORM:
-            xm = _rms_normed_row(
-                row_ptrs, res_ptr + m * K, res_out_ptr + m * K, nw, offs_k, row_ok, K, eps,
-                pid, NORM_RESIDUAL,
-            )  # fmt: skip
-        else:
-            xm = tl.load(row_ptrs, mask=row_ok, other=0.0)
-        acc = tl.where(rows == m, tl.sum(wf * xm.to(tl.float32), axis=1)[None, :], acc)
-    return acc
 
 
 @triton.jit(do_not_specialize=["K_SPLIT", "SPLIT_K"])
@@ -319,12 +248,12 @@ def _skinny_gemm_kernel(
             gdc_wait()
             gdc_launch_dependents()
         if FMA_ROWS:
-            acc = _fma_rows(
+            acc = fma_rows(
                 acc, w, x_ptr, res_ptr, res_out_ptr, nw_ptr, M, K, eps, k_lo, stride_xm, pid,
                 BLOCK_M, BLOCK_K, NORM, NORM_RESIDUAL,
             )  # fmt: skip
         elif NORM:
-            xk = _rms_normed_row(
+            xk = rms_normed_row(
                 x_ptrs, res_ptr, res_out_ptr, nw, offs_k, k_ok, K, eps, pid, NORM_RESIDUAL
             )
         elif EVEN_K:  # every slice is whole K steps: no mask along K
@@ -332,7 +261,7 @@ def _skinny_gemm_kernel(
         else:
             xk = tl.load(x_ptrs, mask=m_mask & k_ok, other=0.0)
         if not FMA_ROWS:
-            acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
+            acc = k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_first = BLOCK_K
@@ -347,7 +276,7 @@ def _skinny_gemm_kernel(
                 k_mask = (k0 + offs_k) < k_len
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
                 xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
-            acc = _k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
+            acc = k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     if USE_DOT:
