@@ -100,7 +100,7 @@ def skinny_rms_norm_linear(
     """The fused launch (rms_norm_linear's contract) for rows x whose K fits
     one step of the FMA tile pick_config gives (or `config`, for tests and
     sweeps); raises otherwise."""
-    gemv.check_operands("skinny_rms_norm_linear", "x [1, K], weight [N, K]", x, weight, bias)
+    gemv.check_operands("skinny_rms_norm_linear", "x [M, K], weight [N, K]", x, weight, bias)
     m, k = x.shape
     n_rows = weight.shape[0]
     cfg = config if config is not None else pick_config(m, n_rows, k, gemv._num_sms(x.device))

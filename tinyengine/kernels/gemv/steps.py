@@ -57,22 +57,18 @@ def rms_normed_row(
 
 @device_fn
 def fma_rows(
-    acc, w, x_ptr, res_ptr, res_out_ptr, nw_ptr, M, K, eps, k_lo, stride_xm, pid,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-    NORM_RESIDUAL: tl.constexpr,
+    acc, w, x_ptr, res_ptr, res_out_ptr, nw, offs_k, k_ok, M, K, eps, stride_xm, pid,
+    BLOCK_M: tl.constexpr, NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """acc [BLOCK_M, BLOCK_N] of the one-step weight tile w [BLOCK_N,
-    BLOCK_K] times each row of x (normalized first with NORM): row m's sum is
-    the one-row kernel's, sum(w * x_m) over the tile, whatever M is."""
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k[None, :] < K
+    BLOCK_K] (K columns valid where k_ok) times each row of x (normalized
+    first with NORM, norm weight nw): row m's sum is the one-row kernel's,
+    sum(w * x_m) over the tile, whatever M is."""
     wf = w.to(tl.float32)
-    if NORM:
-        nw = tl.load(nw_ptr + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
     rows = tl.arange(0, BLOCK_M)[:, None]
     for m in tl.static_range(BLOCK_M):
         row_ok = k_ok & (tl.zeros_like(offs_k)[None, :] + m < M)
-        row_ptrs = x_ptr + m * stride_xm + (k_lo + offs_k)[None, :]
+        row_ptrs = x_ptr + m * stride_xm + offs_k[None, :]
         if NORM:
             xm = rms_normed_row(
                 row_ptrs, res_ptr + m * K, res_out_ptr + m * K, nw, offs_k, row_ok, K, eps,

@@ -242,6 +242,7 @@ def _skinny_gemm_kernel(
             w = tl.load(w_ptrs, eviction_policy="evict_first")
         else:
             w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
+        nw = 0.0  # the norm weight (fp32), with NORM only
         if NORM:
             nw = tl.load(nw_ptr + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
         if USE_PDL:
@@ -249,8 +250,8 @@ def _skinny_gemm_kernel(
             gdc_launch_dependents()
         if FMA_ROWS:
             acc = fma_rows(
-                acc, w, x_ptr, res_ptr, res_out_ptr, nw_ptr, M, K, eps, k_lo, stride_xm, pid,
-                BLOCK_M, BLOCK_K, NORM, NORM_RESIDUAL,
+                acc, w, x_ptr, res_ptr, res_out_ptr, nw, offs_k, k_ok, M, K, eps, stride_xm, pid,
+                BLOCK_M, NORM, NORM_RESIDUAL,
             )  # fmt: skip
         elif NORM:
             xk = rms_normed_row(
