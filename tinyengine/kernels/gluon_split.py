@@ -1,10 +1,10 @@
-"""The pieces the two Gluon split-KV decode kernels share
-(kernels/mla/gluon.py, kernels/sparse_attention/gluon.py): where a split's
-whole tiles start and end, what an empty split writes, one online-softmax
-step with the weights passed between warpgroups through shared memory, and
-a split's normalised partial.
+"""Pieces of the Gluon split-KV decode kernels: where a split's whole tiles
+start and end and what an empty split writes (kernels/mla/gluon.py,
+kernels/sparse_attention/gluon.py), one online-softmax step with the
+weights passed between warpgroups through shared memory, and a split's
+normalised partial (kernels/mla/gluon.py).
 
-Both kernels lay out the scores S [64 heads, BLOCK_N keys] with the two
+The MLA kernel lays out the scores S [64 heads, BLOCK_N keys] with the two
 warpgroups splitting the keys, and the output O [64 heads, D] with each
 warpgroup owning half the columns (kernels/mla/gluon.py says why); these
 functions take those layouts from their arguments.

@@ -1,45 +1,58 @@
-"""DeepSeek-V4 sparse attention's split kernel for Hopper in Gluon: the one
-tile V4 runs on an H200 (64 heads x 64 keys, D = 512, bf16/fp16), with the
-key rows gathered by cp.async into a two-slot ring that is filled a whole
-tile ahead, and the MMA work shared by the two warpgroups instead of
-repeated. Same grid, same outputs and same reduce as kernels/sparse_attention/split.py's
-_sparse_split_kernel; kernels/sparse_attention/triton.py chooses between them.
+"""DeepSeek-V4 sparse attention's split kernel for Hopper in Gluon, for V4's
+own tile (64 heads, D = 512, bf16/fp16), warp-specialized: a producer
+warpgroup gathers the query and the key rows, two consumer warpgroups take
+alternate 32-key tiles (each one's QK^T product and softmax) and each
+applies every tile to its own half of the output columns. Same grid,
+outputs and reduce as kernels/sparse_attention/split.py's
+_sparse_split_kernel; kernels/sparse_attention/triton.py chooses between
+them.
 
-Why it exists. The Triton kernel is latency bound (kernels/sparse_attention/triton.py,
-"Where it stands"): Triton issues tile t + 1's gather only after tile t's
-block-id loads, and waits for it at the start of t + 1, so the loads hardly
-overlap the MMAs, and both warpgroups compute the same QK product. Here:
+Why. With every warp on every tile (as the Triton kernel, and this
+kernel's single-role predecessor), a step is one chain that all eight
+warps walk together: the tile's block-id loads and gathers, QK^T, a
+softmax whose row max crosses warpgroups, PV. The tensor cores idle during
+the softmax and the warps idle during the products and loads. Here:
 
-  - the gather of tile t + 1 is issued before tile t's QK product, from row
-    offsets computed during tile t - 1: a key's top-k pick is loaded at the
-    start of one iteration and its block id after that iteration's QK
-    product, so neither dependent load stalls a warp in front of an MMA;
-  - the layouts are those of kernels/mla/gluon.py: S [64 heads, 64 keys]
-    with the warpgroups splitting the keys (32 each), O [64 heads, 512]
-    with each warpgroup owning 256 columns, and P through shared memory.
+  - the producer (4 warps, 64 registers) loads each tile's picks four
+    tiles ahead and their block ids two ahead (kernels/sparse_attention/
+    gluon_gather.py), then gathers the tile with cp.async into a four-slot
+    ring once both consumers have released the slot; each thread's copies
+    arrive on the slot's `full` mbarrier when they land;
+  - the consumers are out of phase: while one runs its tile's softmax the
+    other's products occupy the tensor cores.
 
-Dead keys. A key list is [window | entries] as in split.py, but a CSA
-row's picks are used where they are (no compaction into scratch): a pick of
--1 is a dead key, masked to -inf in the scores. Its ring row is zero-filled
-by the masked cp.async (0 x anything finite is 0), and neither its pick's
-block id nor its row is ever loaded. A tile, or a whole split, may then
-hold only dead keys; the running max stays -inf there and is used as 0.
+The online softmax stays one sequence over the tiles in order. The owner
+of tile t needs the running (max, sum) after tile t - 1, which the other
+warpgroup publishes in shared memory with tile t - 1's weights P; then it
+publishes its own. Each warpgroup's output half takes the tiles in order,
+t - 1 (the other's P) then t (its own), each as
 
-Where it stands (H200, Triton 3.6, benchmarks/bench_v4_attention.py,
-CSA rows of 640 keys): B=64 in 37.5 us, 143 TFLOP/s, 21% of the measured
-bf16 MMA peak (the Triton split kernel: 60 us); B=256 in 103 us, 30%.
-Fitting split and tile counts gives ~5 us a program outside the loop (the
-query, the first gather, the partial's write, the reduce) and ~4 us a
-tile, about twice what the tile's MMAs (1.6 us at the measured peak) and
-the QK product's shared-memory reads (each warpgroup reads the whole query
-per tile) account for; deeper rings of smaller tiles were slower, so the
-gathers are not what it waits on. Left to do, as FlashMLA does it:
-asynchronous wgmma chains so one tile's softmax overlaps the next tile's
-MMAs, and producer warps for the gathers (warp specialization).
+    O = O * 2^(m_prev - m) + P @ V[:, half]
 
-Shared memory: the query (64 KB), two ring slots (128 KB), P (8 KB). No
-interpreter runs Gluon: CPU tests cover the Triton kernel, GPU tests compare
-this one with the reference.
+Barriers (mbarriers, phases counted per use): `full`/`empty` per ring slot
+(a slot is free once both halves' PV read it), `ready` per warpgroup (its
+tile's P and running stats published), `pfree` per warpgroup (the other
+warpgroup's PV has read its P), `q_full` (the query landed).
+
+Dead keys. A CSA row's picks are used where they are (no compaction into
+scratch): a pick of -1 is a dead key, masked to -inf in the scores; its
+ring row is zero-filled by the masked cp.async and neither its block id
+nor its row is loaded. A tile, or a whole split, may hold only dead keys;
+the running max stays -inf there and is used as 0.
+
+Where it stands (H100, Triton 3.6, benchmarks/bench_v4_attention.py, CSA
+rows of 640 keys): B=64 in 38.6 us, 20% of the measured bf16 MMA peak
+(the single-role kernel: 41.5 us); B=256 in 95.6 us, 32% (108.7). A
+32-key tile costs ~1.7 us a program even alone on the GPU, twice its
+products at the peak: the chain from one warpgroup's softmax to the
+other's is still serial. And at B=64 about a third of the time is the
+fp32 partials (written here, read back by the reduce): docs/benchmarks.md,
+V4 kernels.
+
+Shared memory: the query (64 KB), four 32-key ring slots (128 KB), two P
+tiles (8 KB), the running stats (1 KB). No interpreter runs Gluon: CPU
+tests cover the Triton kernel, GPU tests compare this one with the
+reference.
 """
 
 from __future__ import annotations
@@ -56,29 +69,25 @@ from tinyengine.kernels.gluon_support import (
 from tinyengine.kernels.sparse_attention.split import ALL_ENTRIES, TOPK_ENTRIES
 
 if HAVE_GLUON:
-    from tinyengine.kernels.gluon_split import (
-        softmax_pv,
-        split_range,
-        write_empty_split,
-        write_partial,
-    )
+    from tinyengine.kernels.gluon_split import split_range, write_empty_split
     from tinyengine.kernels.gluon_support import (
-        async_copy,
-        cp_async_load,
         cta_barrier,
         fence_async_shared,
         gl,
         gluon,
+        mbarrier,
         warpgroup_mma,
     )
+    from tinyengine.kernels.sparse_attention.gluon_gather import produce, tile_picks
 
 BLOCK_H = 64  # heads per program: the M of one wgmma
-BLOCK_N = 64  # keys per tile
+BLOCK_N = 64  # the launcher's tile (block_n): each split is whole spans of it
+TILE_N = 32  # keys per tile: each warpgroup's own QK^T product
 HEAD_DIM = 512  # the width whose shared-memory budget was sized (V4's head_dim)
-# Ring slots: two [64, 512] tiles next to the query. Three or four slots of
-# 32-key tiles (more bytes in flight) measured 3-8% slower: the loop is not
-# waiting on its gathers (docs/benchmarks.md, V4 kernels).
-NUM_STAGES = 2
+NUM_STAGES = 4  # ring slots: tiles t and t + 1 in use, t + 2 and t + 3 landing
+PRODUCER_REGS = 64
+CONSUMER_REGS = 216  # the second warpgroup's; the first gets what is left (224)
+MAXNREG = 168  # 12 warps at launch: 65536 / 384, rounded down to a multiple of 8
 
 
 def supports(
@@ -105,79 +114,131 @@ def supports(
 if HAVE_GLUON:
     _ALL_ENTRIES = gl.constexpr(ALL_ENTRIES)
     _TOPK_ENTRIES = gl.constexpr(TOPK_ENTRIES)
+    _SPLIT_SPAN = gl.constexpr(BLOCK_N)
+    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+    _FIRST = gl.constexpr(0)
+    _SECOND = gl.constexpr(1)
 
     @gluon.jit
-    def _picks(topk_row, j, end, n_win, MODE: gl.constexpr):
-        """Stage one of a tile's row offsets: the entry numbers of keys j
-        (a CSA row's picks, loaded; otherwise j - n_win; 0 for window keys
-        and keys past `end`, and -1 for a pick of none)."""
-        ent = (j < end) & (j >= n_win)
-        if MODE == _TOPK_ENTRIES:
-            w = gl.load(topk_row + (j - n_win), mask=ent, other=0).to(gl.int32)
-        else:
-            w = gl.where(ent, j - n_win, 0)
-        return w
+    def _live(t, start, end, n_win, topk_row, s_like, BLOCK_N: gl.constexpr, MODE: gl.constexpr):
+        """Which of tile t's keys are live, in the layout of the scores'
+        columns (s_like's): a load of the tile's picks, issued an own tile
+        before its use so its latency passes under that tile's work."""
+        cols: gl.constexpr = gl.SliceLayout(0, s_like.type.layout)
+        j = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
+        w = tile_picks(topk_row, j, end, n_win, MODE)
+        return (j < end) & ((j < n_win) | (w >= 0))
 
     @gluon.jit
-    def _keys(j, w, end, n_win, first, table_offset, RATIO: gl.constexpr,
-              BLOCK_SIZE: gl.constexpr):  # fmt: skip
-        """What keys j with entry numbers w are: (live, is a window row,
-        position of a window row, last position of an entry, block table
-        column of either)."""
-        is_win = j < n_win
-        live = (j < end) & (is_win | (w >= 0))
-        pos = gl.where(is_win, first + j, 0)
-        last = gl.where(live & ~is_win, (w + 1) * RATIO - 1, 0)
-        col = gl.where(is_win, pos // BLOCK_SIZE, table_offset + last // BLOCK_SIZE)
-        return live, is_win, pos, last, col
+    def _apply(acc, m_acc, m_new, p_buf, kv_ring, t, full, empty, W: gl.constexpr):
+        """O = O * 2^(m_acc - m_new') + P_t @ V_t[:, half W] (m_new' = m_new,
+        or 0 while every key so far is dead), then release tile t's slot."""
+        num_stages: gl.constexpr = kv_ring.type.shape[0]
+        half: gl.constexpr = acc.type.shape[1]
+        slot = t % num_stages
+        mbarrier.wait(full.index(slot), (t // num_stages) & 1)  # landed (for this warpgroup too)
+        fence_async_shared()
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.convert_layout(gl.exp2(m_acc - m_use), gl.SliceLayout(1, acc.type.layout))
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_buf, kv_ring.index(slot).slice(W * half, half, dim=1), acc)
+        cta_barrier()  # every warp's share of the product has read the slot and P
+        mbarrier.arrive(empty.index(slot), count=1)
+        return acc
 
     @gluon.jit
-    def _block_ids(table_row, table_offset, j, w, end, n_win, first, RATIO: gl.constexpr,
-                   BLOCK_SIZE: gl.constexpr):  # fmt: skip
-        """Stage two: the block ids of keys j (a dead key's is not loaded).
-        Only issued here; _offsets is the first use, so the load's latency
-        passes under whatever runs between the two."""
-        live, _, _, _, col = _keys(j, w, end, n_win, first, table_offset, RATIO, BLOCK_SIZE)
-        return gl.load(table_row + col, mask=live, other=0)
-
-    @gluon.jit
-    def _offsets(
-        blk, table_offset, entry_offset, j, w, end, n_win, first,
-        stride_kb, stride_ks, stride_eb, stride_er, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    def _consume(
+        q_smem, q_full, kv_ring, full, empty, p_bufs, stats_m, stats_l, ready, pfree,
+        topk_row, start, end, n_win, qk_scale, num_tiles, row, head_block, sinks_ptr, out_ptr,
+        part_out_ptr, part_lse_ptr, part_base, num_splits, split, stride_ot, stride_oh,
+        W: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        MODE: gl.constexpr, DIRECT: gl.constexpr,
     ):  # fmt: skip
-        """Stage three: (element offsets from the kv cache's start, live) of
-        keys j; a dead key's offset is 0. Entries are addressed from the kv
-        cache too (entry_offset: the entry cache's start minus the kv
-        cache's), so one pointer tensor gathers both kinds of key."""
-        live, is_win, pos, last, _ = _keys(j, w, end, n_win, first, table_offset, RATIO,
-                                           BLOCK_SIZE)  # fmt: skip
-        blk = blk.to(gl.int64)
-        offs = gl.where(
-            is_win,
-            blk * stride_kb + (pos % BLOCK_SIZE) * stride_ks,
-            entry_offset + blk * stride_eb + ((last % BLOCK_SIZE) // RATIO) * stride_er,
+        """Warpgroup W: tiles W, W + 2, ... (QK^T, softmax, publish), every
+        tile's PV on output columns [W * D/2, (W + 1) * D/2), then its half
+        of the split's partial (or of `out`)."""
+        HALF: gl.constexpr = D // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
-        return gl.multiple_of(gl.where(live, offs, 0), 16), live
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        other: gl.constexpr = 1 - W
+        m_mine, l_mine = stats_m.slice(W * BLOCK_H, BLOCK_H), stats_l.slice(W * BLOCK_H, BLOCK_H)
+        m_theirs = stats_m.slice(other * BLOCK_H, BLOCK_H)
+        l_theirs = stats_l.slice(other * BLOCK_H, BLOCK_H)
+        acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+        m_acc = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)  # acc's reference max
+        m_i = m_acc  # the running max and sum after the last tile this warpgroup knows
+        l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+        live = _live(W, start, end, n_win, topk_row, s_zero, BLOCK_N, MODE)
+        mbarrier.wait(q_full, 0)
+        fence_async_shared()
+        for t in range(W, num_tiles, 2):
+            slot = t % kv_ring.type.shape[0]
+            mbarrier.wait(full.index(slot), (t // kv_ring.type.shape[0]) & 1)
+            fence_async_shared()
+            s = warpgroup_mma(q_smem, kv_ring.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            s = gl.where(live[None, :], s * qk_scale, float("-inf"))
+            live = _live(t + 2, start, end, n_win, topk_row, s_zero, BLOCK_N, MODE)  # next own tile
+            # The running stats after tile t - 1 (the other warpgroup's).
+            mbarrier.wait(ready.index(other), ((t - 1) // 2) & 1, pred=t > 0)
+            m_prev = gl.where(t > 0, m_theirs.load(row_l), float("-inf"))
+            l_prev = gl.where(t > 0, l_theirs.load(row_l), 0.0)
+            m_new = gl.maximum(m_prev, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - m_use[:, None])
+            l_new = l_prev * gl.exp2(m_prev - m_use) + gl.sum(p, 1)
+            # This warpgroup's P buffer is free once the other's PV read it.
+            mbarrier.wait(pfree.index(W), ((t // 2) - 1) & 1, pred=t >= 2)
+            p_buf = p_bufs.index(W)
+            p_buf.store(p.to(p_buf.dtype))
+            m_mine.store(m_new)
+            l_mine.store(l_new)
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(ready.index(W), count=1)
+            if t > 0:  # the other warpgroup's tile t - 1 first
+                acc = _apply(acc, m_acc, m_prev, p_bufs.index(other), kv_ring, t - 1, full, empty,
+                             W)  # fmt: skip
+                mbarrier.arrive(pfree.index(other), count=1)
+                m_acc = m_prev
+            acc = _apply(acc, m_acc, m_new, p_buf, kv_ring, t, full, empty, W)
+            m_acc, m_i, l_i = m_new, m_new, l_new
+        last = num_tiles - 1
+        if (last % 2) != W:  # the other warpgroup's last tile
+            mbarrier.wait(ready.index(other), (last // 2) & 1)
+            m_i = m_theirs.load(row_l)
+            l_i = l_theirs.load(row_l)
+            acc = _apply(acc, m_acc, m_i, p_bufs.index(other), kv_ring, last, full, empty, W)
+            mbarrier.arrive(pfree.index(other), count=1)
 
-    @gluon.jit
-    def _tile_offsets(
-        topk_row, table_row, table_offset, entry_offset, j, end, n_win, first,
-        stride_kb, stride_ks, stride_eb, stride_er,
-        MODE: gl.constexpr, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    ):  # fmt: skip
-        """All three stages at once (the prologue, where nothing runs between)."""
-        w = _picks(topk_row, j, end, n_win, MODE)
-        blk = _block_ids(table_row, table_offset, j, w, end, n_win, first, RATIO, BLOCK_SIZE)
-        return _offsets(
-            blk, table_offset, entry_offset, j, w, end, n_win, first,
-            stride_kb, stride_ks, stride_eb, stride_er, RATIO, BLOCK_SIZE,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _issue(kv_ptr, offs, live, slot, cols):
-        """cp.async of one tile's key rows into a ring slot (dead rows: zeros)."""
-        cp_async_load(slot, kv_ptr + offs[:, None] + cols[None, :], mask=live[:, None])
-        async_copy.commit_group()
+        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        if DIRECT:
+            # The sink: one more logit, no value (split.py's DIRECT branch).
+            sink = gl.load(sinks_ptr + heads).to(gl.float32) * 1.4426950408889634
+            m_f = gl.maximum(m_o, sink)
+            m_f = gl.where(m_f == float("-inf"), 0.0, m_f)
+            keep = gl.exp2(m_o - m_f)
+            denom = l_o * keep + gl.exp2(sink - m_f)
+            out = acc * (keep / gl.where(denom == 0.0, 1.0, denom))[:, None]
+            o_rows = out_ptr + row * stride_ot + heads[:, None] * stride_oh
+            gl.store(o_rows + cols[None, :], out.to(out_ptr.dtype.element_ty))
+        else:
+            part_idx = (part_base + heads).to(gl.int64) * num_splits + split
+            alive = l_o > 0.0
+            if W == 0:
+                lse = gl.where(alive, m_o + gl.log2(gl.where(alive, l_o, 1.0)), float("-inf"))
+                gl.store(part_lse_ptr + part_idx, lse)
+            out = acc / gl.where(alive, l_o, 1.0)[:, None]
+            gl.store(part_out_ptr + (part_idx * D)[:, None] + cols[None, :], out)
 
     @gluon.jit(do_not_specialize=["num_splits", "topk"])
     def _sparse_split_gluon(
@@ -190,25 +251,11 @@ if HAVE_GLUON:
         WINDOW: gl.constexpr, RATIO: gl.constexpr, MODE: gl.constexpr, HAS_SEQS: gl.constexpr,
         DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
-        """Grid (H / BLOCK_H, rows, num_splits), 8 warps; the arguments
-        (picks_ptr unused: no compaction) and contract of split.py's
-        _sparse_split_kernel (DIRECT: `out` with the sink; else
-        the normalised partials and log2-sum-exps the reduce merges; a split
-        with no live key writes lse = -inf)."""
+        """Grid (H / BLOCK_H, rows, num_splits); 4 warps here (the first
+        consumer warpgroup) and two 4-warp workers (the second, the
+        producer). gluon.py's _sparse_split_gluon's arguments and contract;
+        BLOCK_N is this kernel's 32-key tile."""
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16]
-        )
-        # 16-byte vectors, a warp on 2 rows x 128 columns: 16 copies a thread a tile.
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-        key_layout: gl.constexpr = gl.SliceLayout(1, rows_layout)
-        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], dtype)
-        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
-
         head_block = gl.program_id(0)
         b = gl.program_id(1)
         split = gl.program_id(2)
@@ -225,101 +272,85 @@ if HAVE_GLUON:
             total = n_win + gl.where(seq_len > 0, topk, 0)
         else:
             total = n_win
-        start, end = split_range(total, num_splits, split, BLOCK_N)
-        heads_o = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-        part_idx = (b * num_heads + heads_o).to(gl.int64) * num_splits + split
+        # The Triton kernel's split boundaries (whole 64-key spans), walked
+        # as 32-key tiles.
+        start, end = split_range(total, num_splits, split, _SPLIT_SPAN)
+        part_base = b * num_heads
         if not DIRECT:
             if start >= end:
-                write_empty_split(part_lse_ptr, part_idx)
+                lse_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+                heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=lse_layout)
+                idx = (part_base + heads).to(gl.int64) * num_splits + split
+                write_empty_split(part_lse_ptr, idx)
                 return
-
+        # A direct program with no key still runs one all-dead tile.
+        num_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
         table_row = tables_ptr + seq * stride_bt
         table_offset = table_delta + seq * (stride_ebt - stride_bt)
         topk_row = topk_ptr + row * stride_topk
+
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], dtype)
+        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+        stat_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D], q_sl)
         kv_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], kv_sl)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
-        keys = gl.arange(0, BLOCK_N, layout=key_layout)
-        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        num_tiles = gl.cdiv(end - start, BLOCK_N)
-        # The first NUM_STAGES - 1 tiles' gathers (the query loads while
-        # they fly), then the next tile's row offsets.
-        j = start + keys
-        for i in gl.static_range(NUM_STAGES - 1):
-            offs, live = _tile_offsets(
-                topk_row, table_row, table_offset, entry_offset, j, end, n_win, first,
-                stride_kb, stride_ks, stride_eb, stride_er, MODE, RATIO, BLOCK_SIZE,
-            )  # fmt: skip
-            _issue(kv_ptr, offs, live, kv_ring.index(i), cols)
-            j = j + BLOCK_N
-        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows_layout))
-        q = gl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + cols[None, :])
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D], q_sl, q)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
-        offs_next, live_next = _tile_offsets(
-            topk_row, table_row, table_offset, entry_offset, j, end, n_win, first,
-            stride_kb, stride_ks, stride_eb, stride_er, MODE, RATIO, BLOCK_SIZE,
+        p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], p_sl)
+        stats_m = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], stat_sl)
+        stats_l = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], stat_sl)
+        q_full = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+        full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+        pfree = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+        mbarrier.init(q_full, count=128)  # the producer's threads (cp.async arrivals)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(full.index(i), count=128)
+            mbarrier.init(empty.index(i), count=2)  # one per output half
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(pfree.index(i), count=1)
+
+        gl.warp_specialize(
+            [
+                (_consume, (
+                    q_smem, q_full, kv_ring, full, empty, p_bufs, stats_m, stats_l, ready, pfree,
+                    topk_row, start, end, n_win, qk_scale, num_tiles, row, head_block, sinks_ptr,
+                    out_ptr, part_out_ptr, part_lse_ptr, part_base, num_splits, split, stride_ot,
+                    stride_oh, _FIRST, D, BLOCK_H, BLOCK_N, MODE, DIRECT,
+                )),
+                (_consume, (
+                    q_smem, q_full, kv_ring, full, empty, p_bufs, stats_m, stats_l, ready, pfree,
+                    topk_row, start, end, n_win, qk_scale, num_tiles, row, head_block, sinks_ptr,
+                    out_ptr, part_out_ptr, part_lse_ptr, part_base, num_splits, split, stride_ot,
+                    stride_oh, _SECOND, D, BLOCK_H, BLOCK_N, MODE, DIRECT,
+                )),
+                (produce, (
+                    q_ptr, row, head_block, stride_qt, stride_qh, kv_ptr, entry_offset, topk_row,
+                    table_row, table_offset, start, end, n_win, first, stride_kb, stride_ks,
+                    stride_eb, stride_er, num_tiles, q_smem, q_full, kv_ring, full, empty,
+                    D, BLOCK_H, BLOCK_N, BLOCK_SIZE, RATIO, MODE,
+                )),
+            ],
+            [4, 4],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
         )  # fmt: skip
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_H, D], gl.float32, o_layout)
-        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
-        for t in range(num_tiles):
-            # Every warp is done with tile t - 1 (its ring slot and P): the
-            # slot takes tile t + NUM_STAGES - 1 now (all-dead past the last
-            # tile: a zero fill, never read).
-            cta_barrier()
-            ahead = t + NUM_STAGES - 1
-            _issue(kv_ptr, offs_next, live_next, kv_ring.index(ahead % NUM_STAGES), cols)
-            # Which of tile t's keys are live, in the scores' layout.
-            j_s = start + t * BLOCK_N + keys_s
-            w_s = _picks(topk_row, j_s, end, n_win, MODE)
-            # The row offsets of the tile after it in three stages, each
-            # load's first use an MMA later: its picks now, its block ids
-            # after the QK product, its offsets after the PV product.
-            j = j + BLOCK_N
-            w = _picks(topk_row, j, end, n_win, MODE)
-            async_copy.wait_group(NUM_STAGES - 1)  # this thread's copies of tile t
-            fence_async_shared()  # visible to the tensor cores
-            cta_barrier()  # and every thread's copies landed
-            kv = kv_ring.index(t % NUM_STAGES)
-            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
-            blk = _block_ids(table_row, table_offset, j, w, end, n_win, first, RATIO, BLOCK_SIZE)
-            live_s = (j_s < end) & ((j_s < n_win) | (w_s >= 0))
-            s = gl.where(live_s[None, :], s * qk_scale, float("-inf"))
-            acc, m_i, l_i = softmax_pv(s, m_i, l_i, acc, p_smem, kv)
-            offs_next, live_next = _offsets(
-                blk, table_offset, entry_offset, j, w, end, n_win, first,
-                stride_kb, stride_ks, stride_eb, stride_er, RATIO, BLOCK_SIZE,
-            )  # fmt: skip
-        async_copy.wait_group(0)  # no copy outlives the program
-
-        if DIRECT:
-            # The sink: one more logit, no value (split.py's DIRECT branch).
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-            sink = gl.load(sinks_ptr + heads_o).to(gl.float32) * 1.4426950408889634
-            m_f = gl.maximum(m_o, sink)
-            m_f = gl.where(m_f == float("-inf"), 0.0, m_f)
-            keep = gl.exp2(m_o - m_f)
-            denom = l_o * keep + gl.exp2(sink - m_f)
-            out = acc * (keep / gl.where(denom == 0.0, 1.0, denom))[:, None]
-            cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-            o_rows = out_ptr + row * stride_ot + heads_o[:, None] * stride_oh
-            gl.store(o_rows + cols_o[None, :], out.to(out_ptr.dtype.element_ty))
-        else:
-            write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, D)
-
-
-_compile_failed: list[str] = []  # the first compile error, once one happened
 
 
 def launch_split(grid: tuple[int, int, int], args: tuple, common: dict[str, Any]) -> None:
     """The split kernel over a call `supports` accepted, with the Triton
     kernel's positional arguments and its constexprs shared by both
-    (kernels/sparse_attention/triton.py builds them)."""
+    (kernels/sparse_attention/triton.py builds them); BLOCK_N becomes this
+    kernel's 32-key tile (the splits stay whole 64-key spans)."""
+    common = dict(common, BLOCK_N=TILE_N)
     launch_or_give_up(
-        lambda: _sparse_split_gluon[grid](*args, **common, NUM_STAGES=NUM_STAGES, num_warps=8),
+        lambda: _sparse_split_gluon[grid](
+            *args, **common, NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAXNREG
+        ),
         "sparse-attention",
         _compile_failed,
     )
+
+
+_compile_failed: list[str] = []

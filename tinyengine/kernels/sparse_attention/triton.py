@@ -75,10 +75,10 @@ tile's block-id loads, and waits for it at the start of t + 1, so loads
 hardly overlap the MMAs; one 196 KB, 255-register program per SM leaves no
 other program to hide them, and the QK product runs on both warpgroups (as
 in MLA decode). Smaller tiles (32 heads or 32 keys, 3 stages, two programs
-per SM) measured no better. So on Hopper, for V4's own tile (64 heads x 64
-keys of D = 512, 16-bit), the split kernel is the Gluon one of
+per SM) measured no better. So on Hopper, for V4's own tile (64 heads,
+D = 512, 16-bit), the split kernel is the warp-specialized Gluon one of
 kernels/sparse_attention/gluon.py (1.6x faster at B=64), with the same
-grid, scratch and reduce; this kernel runs everything else (other widths,
+grid, splits and reduce; this kernel runs everything else (other widths,
 fp32, the interpreter) and is the one the CPU tests check.
 
 Numerics: softmax in fp32 (log2 domain, scale * log2(e) folded into one
