@@ -7,10 +7,9 @@ outputs and reduce as kernels/sparse_attention/split.py's
 _sparse_split_kernel; kernels/sparse_attention/triton.py chooses between
 them.
 
-Why. With every warp on every tile (as the Triton kernel, and this
-kernel's single-role predecessor), a step is one chain that all eight
-warps walk together: the tile's block-id loads and gathers, QK^T, a
-softmax whose row max crosses warpgroups, PV. The tensor cores idle during
+Why. With every warp on every tile (as in the Triton kernel), a step is
+one chain that all eight warps walk together: the tile's block-id loads
+and gathers, QK^T, a softmax whose row max crosses warpgroups, PV. The tensor cores idle during
 the softmax and the warps idle during the products and loads. Here:
 
   - the producer (4 warps, 64 registers) loads each tile's picks four
@@ -41,13 +40,12 @@ nor its row is loaded. A tile, or a whole split, may hold only dead keys;
 the running max stays -inf there and is used as 0.
 
 Where it stands (H100, Triton 3.6, benchmarks/bench_v4_attention.py, CSA
-rows of 640 keys): B=64 in 38.6 us, 20% of the measured bf16 MMA peak
-(the single-role kernel: 41.5 us); B=256 in 95.6 us, 32% (108.7). A
-32-key tile costs ~1.7 us a program even alone on the GPU, twice its
-products at the peak: the chain from one warpgroup's softmax to the
-other's is still serial. And at B=64 about a third of the time is the
-fp32 partials (written here, read back by the reduce): docs/benchmarks.md,
-V4 kernels.
+rows of 640 keys): B=64 in 38.6 us, 20% of the measured bf16 MMA peak;
+B=256 in 95.6 us, 32% (docs/benchmarks.md, V4 kernels). A 32-key tile
+costs ~1.7 us a program even alone on the GPU, about twice its products
+at the peak; where the rest goes inside the SM is not profiled yet. At
+B=64 about a third of the time is the fp32 partials (written here, read
+back by the reduce).
 
 Shared memory: the query (64 KB), four 32-key ring slots (128 KB), two P
 tiles (8 KB), the running stats (1 KB). No interpreter runs Gluon: CPU
