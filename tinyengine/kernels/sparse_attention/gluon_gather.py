@@ -55,7 +55,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def block_ids(table_row, table_offset, j, w, end, n_win, first, RATIO: gl.constexpr,
-                   BLOCK_SIZE: gl.constexpr):  # fmt: skip
+                  BLOCK_SIZE: gl.constexpr):  # fmt: skip
         """Stage two: the block ids of keys j (a dead key's is not loaded).
         Only issued here; row_offsets is the first use, so the load's latency
         passes under whatever runs between the two."""
@@ -110,13 +110,13 @@ if HAVE_GLUON:
         w3 = tile_picks(topk_row, j + 3 * BLOCK_N, end, n_win, MODE)
         b0 = block_ids(table_row, table_offset, j, w0, end, n_win, first, RATIO, BLOCK_SIZE)
         b1 = block_ids(table_row, table_offset, j + BLOCK_N, w1, end, n_win, first, RATIO,
-                        BLOCK_SIZE)  # fmt: skip
+                       BLOCK_SIZE)  # fmt: skip
         for t in range(num_tiles):
             slot = t % num_stages
             j = start + t * BLOCK_N + keys
             w4 = tile_picks(topk_row, j + 4 * BLOCK_N, end, n_win, MODE)
             b2 = block_ids(table_row, table_offset, j + 2 * BLOCK_N, w2, end, n_win, first,
-                            RATIO, BLOCK_SIZE)  # fmt: skip
+                           RATIO, BLOCK_SIZE)  # fmt: skip
             offs, live = row_offsets(
                 b0, table_offset, entry_offset, j, w0, end, n_win, first,
                 stride_kb, stride_ks, stride_eb, stride_er, RATIO, BLOCK_SIZE,
