@@ -370,12 +370,10 @@ def _launch(
     workspace: Workspace | None = None,
 ) -> None:
     """One _skinny_gemm_kernel launch over n output columns (checked args).
-    `norm`: x is RMSNorm's input (the NORM prologue; one K step, M == 1)."""
+    `norm`: x is RMSNorm's input (the NORM prologue; the FMA config, one K step)."""
     m, k = x.shape
     use_dot = cfg.use_dot
-    block_m = triton.next_power_of_2(m)
-    if use_dot:
-        block_m = max(16, block_m)  # tl.dot's smallest N: 16
+    block_m = max(16 if use_dot else 1, triton.next_power_of_2(m))  # tl.dot's smallest N: 16
     block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
     block_n = max(16, cfg.block_n) if use_dot else cfg.block_n
     cols = block_n // 2 if fuse_silu_mul else block_n  # output columns per program
@@ -384,7 +382,8 @@ def _launch(
         raise ValueError("skinny GEMM: the FMA config serves more than one row in one K step only")
     if norm is not None and (use_dot or block_k < k):
         raise ValueError("skinny GEMM: the RMSNorm prologue needs the FMA config and one K step")
-    split_k = cfg.split_k if use_dot and not fuse_silu_mul and norm is None else 1
+    has_split = use_dot and not fuse_silu_mul and norm is None  # plain DOT: one compile
+    split_k = cfg.split_k if has_split else 1
     split, k_split, parts, tickets = split_k_plan(
         workspace, split_k, k, block_k, block_m, block_n, tiles, out
     )
@@ -400,6 +399,6 @@ def _launch(
         LOOP_STAGES=cfg.num_stages, UPCAST=interpreting(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
         FUSE_SILU_MUL=fuse_silu_mul, NORM=norm is not None, NORM_RESIDUAL=res is not None,
-        HAS_SPLIT=use_dot and not fuse_silu_mul and norm is None, FMA_ROWS=not use_dot and m > 1,
+        HAS_SPLIT=has_split, FMA_ROWS=not use_dot and m > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device),
     )  # fmt: skip

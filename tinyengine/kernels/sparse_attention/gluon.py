@@ -76,7 +76,11 @@ if HAVE_GLUON:
         mbarrier,
         warpgroup_mma,
     )
-    from tinyengine.kernels.sparse_attention.gluon_gather import produce, tile_picks
+    from tinyengine.kernels.sparse_attention.gluon_gather import (
+        live_keys,
+        produce,
+        tile_picks,
+    )
 
 BLOCK_H = 64  # heads per program: the M of one wgmma
 BLOCK_N = 64  # the launcher's tile (block_n): each split is whole spans of it
@@ -125,8 +129,7 @@ if HAVE_GLUON:
         before its use so its latency passes under that tile's work."""
         cols: gl.constexpr = gl.SliceLayout(0, s_like.type.layout)
         j = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
-        w = tile_picks(topk_row, j, end, n_win, MODE)
-        return (j < end) & ((j < n_win) | (w >= 0))
+        return live_keys(j, tile_picks(topk_row, j, end, n_win, MODE), end, n_win)
 
     @gluon.jit
     def _apply(acc, m_acc, m_new, p_buf, kv_ring, t, full, empty, W: gl.constexpr):

@@ -41,13 +41,19 @@ if HAVE_GLUON:
         return w
 
     @gluon.jit
+    def live_keys(j, w, end, n_win):
+        """Whether keys j (entry numbers w) are live: inside the split and a
+        window row or an entry that is not a pick of none."""
+        return (j < end) & ((j < n_win) | (w >= 0))
+
+    @gluon.jit
     def _keys(j, w, end, n_win, first, table_offset, RATIO: gl.constexpr,
               BLOCK_SIZE: gl.constexpr):  # fmt: skip
         """What keys j with entry numbers w are: (live, is a window row,
         position of a window row, last position of an entry, block table
         column of either)."""
         is_win = j < n_win
-        live = (j < end) & (is_win | (w >= 0))
+        live = live_keys(j, w, end, n_win)
         pos = gl.where(is_win, first + j, 0)
         last = gl.where(live & ~is_win, (w + 1) * RATIO - 1, 0)
         col = gl.where(is_win, pos // BLOCK_SIZE, table_offset + last // BLOCK_SIZE)
