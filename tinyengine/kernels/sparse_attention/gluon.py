@@ -12,11 +12,15 @@ one chain that all eight warps walk together: the tile's block-id loads
 and gathers, QK^T, a softmax whose row max crosses warpgroups, PV. The tensor cores idle during
 the softmax and the warps idle during the products and loads. Here:
 
-  - the producer (4 warps, 64 registers) loads each tile's picks four
+  - the producer (4 warps, 96 registers) loads each tile's picks four
     tiles ahead and their block ids two ahead (kernels/sparse_attention/
     gluon_gather.py), then gathers the tile with cp.async into a four-slot
-    ring once both consumers have released the slot; each thread's copies
-    arrive on the slot's `full` mbarrier when they land;
+    ring once both consumers have released the slot, and writes which of
+    the tile's keys are live next to it (so the consumers load no picks);
+    each thread's copies arrive on the slot's `full` mbarrier when they
+    land. 96 registers, not 64: with 64 ptxas spilled the prefetched picks
+    and block ids, and a spill store waits for its load, which took the
+    prefetch away;
   - the consumers are out of phase: while one runs its tile's softmax the
     other's products occupy the tensor cores.
 
@@ -29,26 +33,28 @@ t - 1 (the other's P) then t (its own), each as
     O = O * 2^(m_prev - m) + P @ V[:, half]
 
 Barriers (mbarriers, phases counted per use): `full`/`empty` per ring slot
-(a slot is free once both halves' PV read it), `ready` per warpgroup (its
+(a slot has landed once the producer's copies and its mask are in; it is
+free once both halves' PV read it), `ready` per warpgroup (its
 tile's P and running stats published), `pfree` per warpgroup (the other
 warpgroup's PV has read its P), `q_full` (the query landed).
 
 Dead keys. A CSA row's picks are used where they are (no compaction into
-scratch): a pick of -1 is a dead key, masked to -inf in the scores; its
-ring row is zero-filled by the masked cp.async and neither its block id
-nor its row is loaded. A tile, or a whole split, may hold only dead keys;
+scratch): a pick of -1 is a dead key, masked to -inf in the scores (the
+producer's live mask); its ring row is zero-filled by the masked cp.async
+and neither its block id nor its row is loaded. A tile, or a whole split, may hold only dead keys;
 the running max stays -inf there and is used as 0.
 
 Where it stands (H100, Triton 3.6, benchmarks/bench_v4_attention.py, CSA
-rows of 640 keys): B=64 in 38.6 us, 20% of the measured bf16 MMA peak;
-B=256 in 95.6 us, 32% (docs/benchmarks.md, V4 kernels). A 32-key tile
-costs ~1.7 us a program even alone on the GPU, about twice its products
-at the peak; where the rest goes inside the SM is not profiled yet. At
-B=64 about a third of the time is the fp32 partials (written here, read
-back by the reduce).
+rows of 640 keys): B=64 in 37.1 us, 21% of the measured bf16 MMA peak;
+B=256 in 92.4 us, 33% (docs/benchmarks.md, V4 kernels). The op is bound by
+memory, not the tensor cores: 64 heads make 128 FLOP per cache byte, under
+the H100's and the H200's ridge. Profiled at B=64, the consumers wait
+for their tile's rows about half the time; the split kernel moves its
+bytes at about half the rate a plain gather kernel reaches, and the fp32
+partials (written here, read back by the reduce) add a third to the bytes.
 
-Shared memory: the query (64 KB), four 32-key ring slots (128 KB), two P
-tiles (8 KB), the running stats (1 KB). No interpreter runs Gluon: CPU
+Shared memory: the query (64 KB), four 32-key ring slots (128 KB) and
+their live masks, two P tiles (8 KB), the running stats (1 KB). No interpreter runs Gluon: CPU
 tests cover the Triton kernel, GPU tests compare this one with the
 reference.
 """
@@ -76,19 +82,15 @@ if HAVE_GLUON:
         mbarrier,
         warpgroup_mma,
     )
-    from tinyengine.kernels.sparse_attention.gluon_gather import (
-        live_keys,
-        produce,
-        tile_picks,
-    )
+    from tinyengine.kernels.sparse_attention.gluon_gather import produce
 
 BLOCK_H = 64  # heads per program: the M of one wgmma
 BLOCK_N = 64  # the launcher's tile (block_n): each split is whole spans of it
 TILE_N = 32  # keys per tile: each warpgroup's own QK^T product
 HEAD_DIM = 512  # the width whose shared-memory budget was sized (V4's head_dim)
 NUM_STAGES = 4  # ring slots: tiles t and t + 1 in use, t + 2 and t + 3 landing
-PRODUCER_REGS = 64
-CONSUMER_REGS = 216  # the second warpgroup's; the first gets what is left (224)
+PRODUCER_REGS = 96
+CONSUMER_REGS = 200  # the second warpgroup's; the first gets what is left (208)
 MAXNREG = 168  # 12 warps at launch: 65536 / 384, rounded down to a multiple of 8
 
 
@@ -123,15 +125,6 @@ if HAVE_GLUON:
     _SECOND = gl.constexpr(1)
 
     @gluon.jit
-    def _live(t, start, end, n_win, topk_row, s_like, BLOCK_N: gl.constexpr, MODE: gl.constexpr):
-        """Which of tile t's keys are live, in the layout of the scores'
-        columns (s_like's): a load of the tile's picks, issued an own tile
-        before its use so its latency passes under that tile's work."""
-        cols: gl.constexpr = gl.SliceLayout(0, s_like.type.layout)
-        j = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
-        return live_keys(j, tile_picks(topk_row, j, end, n_win, MODE), end, n_win)
-
-    @gluon.jit
     def _apply(acc, m_acc, m_new, p_buf, kv_ring, t, full, empty, W: gl.constexpr):
         """O = O * 2^(m_acc - m_new') + P_t @ V_t[:, half W] (m_new' = m_new,
         or 0 while every key so far is dead), then release tile t's slot."""
@@ -150,11 +143,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume(
-        q_smem, q_full, kv_ring, full, empty, p_bufs, stats_m, stats_l, ready, pfree,
-        topk_row, start, end, n_win, qk_scale, num_tiles, row, head_block, sinks_ptr, out_ptr,
-        part_out_ptr, part_lse_ptr, part_base, num_splits, split, stride_ot, stride_oh,
+        q_smem, q_full, kv_ring, live_ring, full, empty, p_bufs, stats_m, stats_l, ready, pfree,
+        qk_scale, num_tiles, row, head_block, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        part_base, num_splits, split, stride_ot, stride_oh,
         W: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        MODE: gl.constexpr, DIRECT: gl.constexpr,
+        DIRECT: gl.constexpr,
     ):  # fmt: skip
         """Warpgroup W: tiles W, W + 2, ... (QK^T, softmax, publish), every
         tile's PV on output columns [W * D/2, (W + 1) * D/2), then its half
@@ -176,7 +169,6 @@ if HAVE_GLUON:
         m_acc = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)  # acc's reference max
         m_i = m_acc  # the running max and sum after the last tile this warpgroup knows
         l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
-        live = _live(W, start, end, n_win, topk_row, s_zero, BLOCK_N, MODE)
         mbarrier.wait(q_full, 0)
         fence_async_shared()
         for t in range(W, num_tiles, 2):
@@ -184,8 +176,8 @@ if HAVE_GLUON:
             mbarrier.wait(full.index(slot), (t // kv_ring.type.shape[0]) & 1)
             fence_async_shared()
             s = warpgroup_mma(q_smem, kv_ring.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            live = live_ring.index(slot).load(gl.SliceLayout(0, s_layout)) != 0
             s = gl.where(live[None, :], s * qk_scale, float("-inf"))
-            live = _live(t + 2, start, end, n_win, topk_row, s_zero, BLOCK_N, MODE)  # next own tile
             # The running stats after tile t - 1 (the other warpgroup's).
             mbarrier.wait(ready.index(other), ((t - 1) // 2) & 1, pred=t > 0)
             m_prev = gl.where(t > 0, m_theirs.load(row_l), float("-inf"))
@@ -297,6 +289,7 @@ if HAVE_GLUON:
         bar_l: gl.constexpr = mbarrier.MBarrierLayout()
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D], q_sl)
         kv_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], kv_sl)
+        live_ring = gl.allocate_shared_memory(gl.int8, [NUM_STAGES, BLOCK_N], stat_sl)
         p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], p_sl)
         stats_m = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], stat_sl)
         stats_l = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], stat_sl)
@@ -307,7 +300,7 @@ if HAVE_GLUON:
         pfree = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
         mbarrier.init(q_full, count=128)  # the producer's threads (cp.async arrivals)
         for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(full.index(i), count=128)
+            mbarrier.init(full.index(i), count=129)  # 128 cp.async arrivals, 1 for the mask
             mbarrier.init(empty.index(i), count=2)  # one per output half
         for i in gl.static_range(2):
             mbarrier.init(ready.index(i), count=1)
@@ -316,21 +309,22 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_consume, (
-                    q_smem, q_full, kv_ring, full, empty, p_bufs, stats_m, stats_l, ready, pfree,
-                    topk_row, start, end, n_win, qk_scale, num_tiles, row, head_block, sinks_ptr,
-                    out_ptr, part_out_ptr, part_lse_ptr, part_base, num_splits, split, stride_ot,
-                    stride_oh, _FIRST, D, BLOCK_H, BLOCK_N, MODE, DIRECT,
+                    q_smem, q_full, kv_ring, live_ring, full, empty, p_bufs, stats_m, stats_l,
+                    ready, pfree, qk_scale, num_tiles, row, head_block, sinks_ptr, out_ptr,
+                    part_out_ptr, part_lse_ptr, part_base, num_splits, split, stride_ot,
+                    stride_oh, _FIRST, D, BLOCK_H, BLOCK_N, DIRECT,
                 )),
                 (_consume, (
-                    q_smem, q_full, kv_ring, full, empty, p_bufs, stats_m, stats_l, ready, pfree,
-                    topk_row, start, end, n_win, qk_scale, num_tiles, row, head_block, sinks_ptr,
-                    out_ptr, part_out_ptr, part_lse_ptr, part_base, num_splits, split, stride_ot,
-                    stride_oh, _SECOND, D, BLOCK_H, BLOCK_N, MODE, DIRECT,
+                    q_smem, q_full, kv_ring, live_ring, full, empty, p_bufs, stats_m, stats_l,
+                    ready, pfree, qk_scale, num_tiles, row, head_block, sinks_ptr, out_ptr,
+                    part_out_ptr, part_lse_ptr, part_base, num_splits, split, stride_ot,
+                    stride_oh, _SECOND, D, BLOCK_H, BLOCK_N, DIRECT,
                 )),
                 (produce, (
                     q_ptr, row, head_block, stride_qt, stride_qh, kv_ptr, entry_offset, topk_row,
                     table_row, table_offset, start, end, n_win, first, stride_kb, stride_ks,
-                    stride_eb, stride_er, num_tiles, q_smem, q_full, kv_ring, full, empty,
+                    stride_eb, stride_er, num_tiles, q_smem, q_full, kv_ring, live_ring, full,
+                    empty,
                     D, BLOCK_H, BLOCK_N, BLOCK_SIZE, RATIO, MODE,
                 )),
             ],

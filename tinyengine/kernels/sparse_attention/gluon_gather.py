@@ -21,6 +21,7 @@ if HAVE_GLUON:
     from tinyengine.kernels.gluon_support import (
         async_copy,
         cp_async_load,
+        cta_barrier,
         gl,
         gluon,
         mbarrier,
@@ -91,13 +92,15 @@ if HAVE_GLUON:
     def produce(
         q_ptr, row, head_block, stride_qt, stride_qh, kv_ptr, entry_offset, topk_row, table_row,
         table_offset, start, end, n_win, first, stride_kb, stride_ks, stride_eb, stride_er,
-        num_tiles, q_smem, q_full, kv_ring, full, empty,
+        num_tiles, q_smem, q_full, kv_ring, live_ring, full, empty,
         D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, RATIO: gl.constexpr, MODE: gl.constexpr,
     ):  # fmt: skip
         """The producer: the query, then each tile's row offsets and, once
-        both warpgroups have released its slot, its gather (each thread's
-        copies arrive on the slot's `full` barrier when they land)."""
+        both warpgroups have released its slot, its gather and which of its
+        keys are live (live_ring, 1 byte a key). A slot's `full` barrier
+        takes each thread's copies when they land (cp.async arrivals) and
+        one arrival once every thread has stored its part of the mask."""
         num_stages: gl.constexpr = kv_ring.type.shape[0]
         # 16-byte vectors, a warp on 2 rows x 128 columns.
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -131,6 +134,9 @@ if HAVE_GLUON:
             cp_async_load(
                 kv_ring.index(slot), kv_ptr + offs[:, None] + cols[None, :], mask=live[:, None]
             )
+            live_ring.index(slot).store(live.to(gl.int8))
+            cta_barrier()
+            mbarrier.arrive(full.index(slot), count=1)
             async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
             w0, w1, w2, w3 = w1, w2, w3, w4
             b0, b1 = b1, b2
