@@ -1,8 +1,8 @@
 """Pieces of the Gluon split-KV decode kernels: where a split's whole tiles
 start and end and what an empty split writes (kernels/mla/gluon.py,
 kernels/sparse_attention/gluon.py), one online-softmax step with the
-weights passed between warpgroups through shared memory, and a split's
-normalised partial (kernels/mla/gluon.py).
+weights passed between warpgroups through shared memory (kernels/mla/
+gluon.py), and a split's normalised partial (both).
 
 The MLA kernel lays out the scores S [64 heads, BLOCK_N keys] with the two
 warpgroups splitting the keys, and the output O [64 heads, D] with each
@@ -59,15 +59,22 @@ if HAVE_GLUON:
         return acc, m_new, l_i
 
     @gluon.jit
-    def write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, D: gl.constexpr):
-        """A split's normalised partial and its log2-sum-exp (-inf when it
-        saw no live key), at part_out[part_idx, :] and part_lse[part_idx]."""
+    def write_partial(
+        acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, col0, ROW: gl.constexpr,
+        WRITE_LSE: gl.constexpr,
+    ):  # fmt: skip
+        """A split's normalised partial, acc's columns as part_out[part_idx,
+        col0 : col0 + acc's width] (partial rows of ROW), and, if WRITE_LSE,
+        its log2-sum-exp at part_lse[part_idx] (-inf when it saw no live
+        key). A kernel whose warpgroups each hold some of the output columns
+        calls it from each, one of them writing the lse."""
         o_layout: gl.constexpr = acc.type.layout
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         alive = l_o > 0.0
-        lse = gl.where(alive, m_o + gl.log2(gl.where(alive, l_o, 1.0)), float("-inf"))
-        gl.store(part_lse_ptr + part_idx, lse)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        if WRITE_LSE:
+            lse = gl.where(alive, m_o + gl.log2(gl.where(alive, l_o, 1.0)), float("-inf"))
+            gl.store(part_lse_ptr + part_idx, lse)
+        cols = col0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, o_layout))
         out = acc / gl.where(alive, l_o, 1.0)[:, None]
-        gl.store(part_out_ptr + (part_idx * D)[:, None] + cols[None, :], out)
+        gl.store(part_out_ptr + (part_idx * ROW)[:, None] + cols[None, :], out)

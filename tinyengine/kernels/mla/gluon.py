@@ -207,7 +207,7 @@ if HAVE_GLUON:
             o_rows = out_ptr + seq.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh
             gl.store(o_rows + cols_o[None, :], out.to(out_ptr.dtype.element_ty))
         else:
-            write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, LATENT)
+            write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, 0, LATENT, True)
 
 
 _compile_failed: list[str] = []  # the first compile error, once one happened

@@ -73,7 +73,7 @@ from tinyengine.kernels.gluon_support import (
 from tinyengine.kernels.sparse_attention.split import ALL_ENTRIES, TOPK_ENTRIES
 
 if HAVE_GLUON:
-    from tinyengine.kernels.gluon_split import split_range, write_empty_split
+    from tinyengine.kernels.gluon_split import split_range, write_empty_split, write_partial
     from tinyengine.kernels.gluon_support import (
         cta_barrier,
         fence_async_shared,
@@ -211,11 +211,11 @@ if HAVE_GLUON:
             mbarrier.arrive(pfree.index(other), count=1)
 
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-        cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         if DIRECT:
             # The sink: one more logit, no value (split.py's DIRECT branch).
+            cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
             sink = gl.load(sinks_ptr + heads).to(gl.float32) * 1.4426950408889634
             m_f = gl.maximum(m_o, sink)
             m_f = gl.where(m_f == float("-inf"), 0.0, m_f)
@@ -226,12 +226,7 @@ if HAVE_GLUON:
             gl.store(o_rows + cols[None, :], out.to(out_ptr.dtype.element_ty))
         else:
             part_idx = (part_base + heads).to(gl.int64) * num_splits + split
-            alive = l_o > 0.0
-            if W == 0:
-                lse = gl.where(alive, m_o + gl.log2(gl.where(alive, l_o, 1.0)), float("-inf"))
-                gl.store(part_lse_ptr + part_idx, lse)
-            out = acc / gl.where(alive, l_o, 1.0)[:, None]
-            gl.store(part_out_ptr + (part_idx * D)[:, None] + cols[None, :], out)
+            write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, W * HALF, D, W == 0)
 
     @gluon.jit(do_not_specialize=["num_splits", "topk"])
     def _sparse_split_gluon(
