@@ -1,6 +1,6 @@
 """DeepSeek-V4 sparse attention decode benchmark (prints figures; not a test).
 
-    python benchmarks/bench_v4_attention.py [--sweep]
+    python benchmarks/bench_v4_attention.py [--sweep] [--gather]
 
 V4-Flash decode shapes: H=64 query heads over one shared KV row of D=512,
 bf16, 64-token cache blocks, a 128-token window, CSA layers (ratio 4, the
@@ -19,12 +19,19 @@ flushed between replays). keys = window + entries attended per row;
 FLOPs = 4 * H * D * keys per row (QK and PV); bytes = the key rows read
 (keys * D * 2 per row) plus q and out. The run starts with the measured
 bf16 MMA peak (torch.mm, 8192^3), and the op's TFLOP/s is also given
-as a share of it. --sweep also times tile and split variants at B=64.
+as a share of it. At 64 heads the op does 2 * H = 128 FLOP per byte it
+reads, under the MMA peak / read bandwidth ridge of Hopper GPUs, so its
+roofline is max(FLOPs / peak, bytes / read bandwidth) (the read bandwidth
+measured in the run, tinyengine.bench.membw) and `roof` is that time over
+the op's. --gather also times a kernel that only gathers the same key
+rows in the op's grid of programs (what a gather of random 1 KB rows
+reaches here); --sweep times tile and split variants at B=64.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -32,10 +39,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import tinyengine.kernels.sparse_attention.reference as ref  # noqa: E402
 import tinyengine.kernels.sparse_attention.triton as tri  # noqa: E402
+from tinyengine.bench.membw import measure_read_bandwidth  # noqa: E402
 from tinyengine.kernels.workspace import Workspace  # noqa: E402
 from tinyengine.models.context import AttentionMetadata  # noqa: E402
 
@@ -106,6 +116,13 @@ class Case:
         nbytes = (self.keys * D + 2 * H * D) * 2 * self.batch
         return flops / ms / 1e9, nbytes / ms / 1e9
 
+    def roofline_ms(self, peak_tflops: float, read_bytes_per_s: float) -> float:
+        """The op's least time: its FLOPs at the MMA peak or its bytes at
+        the read bandwidth, whichever is longer."""
+        flops = 4 * H * D * self.keys * self.batch
+        nbytes = (self.keys * D + 2 * H * D) * 2 * self.batch
+        return max(flops / (peak_tflops * 1e12), nbytes / read_bytes_per_s) * 1e3
+
     @property
     def name(self) -> str:
         kind = f"CSA r4 top{TOPK}" if self.csa else "HCA r128"
@@ -115,12 +132,18 @@ class Case:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time tile / split variants")
+    parser.add_argument("--gather", action="store_true", help="also time a gather-only kernel")
     args = parser.parse_args()
     peak = mma_peak_tflops()
+    read = measure_read_bandwidth(DEV).bytes_per_s
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"bf16 MMA peak (torch.mm 8192^3): {peak:.0f} TFLOP/s   [{torch.cuda.get_device_name()}]")
-    print(f"{'case':<40} {'op us':>7} {'TFLOP/s':>8} {'%peak':>6} {'TB/s':>6} {'splits':>6}"
-          f" | {'triton us':>9} {'%peak':>6} | {'torch us':>9} {'TFLOP/s':>8}")  # fmt: skip
+    print(
+        f"bf16 MMA peak (torch.mm 8192^3): {peak:.0f} TFLOP/s; read bandwidth "
+        f"(tinyengine.bench.membw): {read / 1e12:.2f} TB/s   [{torch.cuda.get_device_name()}]"
+    )
+    print(f"{'case':<40} {'op us':>7} {'TFLOP/s':>8} {'%peak':>6} {'TB/s':>6} {'roof':>5} "
+          f"{'splits':>6} | {'triton us':>9} {'%peak':>6} | {'torch us':>9} "
+          f"{'TFLOP/s':>8}")  # fmt: skip
     for csa in (True, False):
         for ctx in (4096, 65536):
             for batch in (1, 64, 256):
@@ -136,13 +159,66 @@ def main() -> None:
                 splits = tri.sparse_config(batch, H, D, case.keys, sms, 2, not csa).num_splits
                 ms_ref = case.time(case.run_reference)
                 tf_ref, _ = case.figures(ms_ref)
+                roof = case.roofline_ms(peak, read) / ms
                 print(f"{case.name:<40} {ms * 1e3:7.1f} {tf:8.1f} {100 * tf / peak:5.1f}% "
-                      f"{tb:6.2f} {splits:>6} | {ms_tri * 1e3:9.1f} {100 * tf_tri / peak:5.1f}% | "
-                      f"{ms_ref * 1e3:9.1f} {tf_ref:8.1f}")  # fmt: skip
+                      f"{tb:6.2f} {100 * roof:4.0f}% {splits:>6} | {ms_tri * 1e3:9.1f} "
+                      f"{100 * tf_tri / peak:5.1f}% | {ms_ref * 1e3:9.1f} "
+                      f"{tf_ref:8.1f}")  # fmt: skip
                 del case
     compiled_kernels()
+    if args.gather:
+        gather_rates(read)
     if args.sweep:
         sweep(peak)
+
+
+@triton.jit
+def _gather_sum(rows_ptr, idx_ptr, out_ptr, PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr,
+                D: tl.constexpr):  # fmt: skip
+    """Program p reads rows idx[p * PER_PROGRAM ...] of a [*, D] matrix and
+    writes their column sums: a gather and nothing else."""
+    p = tl.program_id(0)
+    cols = tl.arange(0, D)
+    acc = tl.zeros([BLOCK, D], tl.float32)
+    for t in range(0, PER_PROGRAM, BLOCK):
+        rows = tl.load(idx_ptr + p * PER_PROGRAM + t + tl.arange(0, BLOCK)).to(tl.int64)
+        acc += tl.load(rows_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32)
+    tl.store(out_ptr + p * D + cols, tl.sum(acc, 0))
+
+
+def gather_rate(rows: torch.Tensor, programs: int, per_program: int) -> tuple[float, str]:
+    """(bytes / s, config) of the fastest of a few _gather_sum configs over
+    programs x per_program random rows of `rows`."""
+    idx = torch.randint(0, rows.shape[0], (programs * per_program,), device=rows.device,
+                        dtype=torch.int32)  # fmt: skip
+    out = torch.empty(programs, rows.shape[1], device=rows.device)
+    best = (0.0, "")
+    for block, warps, stages in [(32, 4, 3), (32, 8, 2), (32, 8, 3), (16, 4, 4), (64, 8, 2)]:
+        if per_program % block:
+            continue
+        run = functools.partial(
+            _gather_sum[(programs,)], rows, idx, out, PER_PROGRAM=per_program, BLOCK=block,
+            D=rows.shape[1], num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        run()
+        rate = idx.numel() * rows.shape[1] * rows.element_size() / do_bench_cudagraph(run) * 1e3
+        if rate > best[0]:
+            best = (rate, f"{block} rows a step, {warps} warps, {stages} stages")
+    return best
+
+
+def gather_rates(read: float) -> None:
+    """The rate at which random 1 KB key rows can be gathered at all, in
+    the op's grid at B=64 (one program per row and split): the op's bytes
+    cannot move faster than this."""
+    rows = torch.randn(4 << 20, D, device=DEV, dtype=torch.bfloat16)  # 4 GiB: past L2
+    keys = WINDOW + TOPK
+    for splits in (1, 2, 4):
+        rate, config = gather_rate(rows, 64 * splits, keys // splits)
+        print(
+            f"gather only, {64 * splits} programs x {keys // splits} rows: "
+            f"{rate / 1e12:.2f} TB/s, {100 * rate / read:.0f}% of the read bandwidth ({config})"
+        )
 
 
 def compiled_kernels() -> None:
