@@ -1,6 +1,6 @@
 """DeepSeek-V4 sparse attention decode benchmark (prints figures; not a test).
 
-    python benchmarks/bench_v4_attention.py [--sweep] [--gather]
+    python benchmarks/bench_v4_attention.py [--sweep] [--gather] [--splits]
 
 V4-Flash decode shapes: H=64 query heads over one shared KV row of D=512,
 bf16, 64-token cache blocks, a 128-token window, CSA layers (ratio 4, the
@@ -25,7 +25,9 @@ roofline is max(FLOPs / peak, bytes / read bandwidth) (the read bandwidth
 measured in the run, tinyengine.bench.membw) and `roof` is that time over
 the op's. --gather also times a kernel that only gathers the same key
 rows in the op's grid of programs (what a gather of random 1 KB rows
-reaches here); --sweep times tile and split variants at B=64.
+reaches here); --sweep times tile and split variants at B=64; --splits
+times the op as the engine runs it at batch sizes 8-128 with 1-4 splits
+against the split count sparse_config chooses.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time tile / split variants")
     parser.add_argument("--gather", action="store_true", help="also time a gather-only kernel")
+    parser.add_argument("--splits", action="store_true", help="also time 1-4 splits by batch")
     args = parser.parse_args()
     peak = mma_peak_tflops()
     read = measure_read_bandwidth(DEV).bytes_per_s
@@ -168,6 +171,8 @@ def main() -> None:
     compiled_kernels()
     if args.gather:
         gather_rates(read)
+    if args.splits:
+        split_counts(sms)
     if args.sweep:
         sweep(peak)
 
@@ -233,6 +238,25 @@ def compiled_kernels() -> None:
                       f"{meta.num_stages} stages")  # fmt: skip
     except Exception as err:  # the cache's layout differs between Triton versions
         print(f"(no kernel cache figures: {type(err).__name__}: {err})")
+
+
+def split_counts(sms: int) -> None:
+    """The op (as the engine runs it) with 1-4 splits at several batch
+    sizes, CSA and HCA, 4k and 64k: whether the split count sparse_config
+    picks (from SMs and tiles only) is the fastest."""
+    for csa in (True, False):
+        for ctx in (4096, 65536):
+            for batch in (8, 16, 32, 48, 64, 96, 128):
+                case = Case(batch, ctx, csa)
+                chosen = tri.sparse_config(batch, H, D, case.keys, sms, 2, not csa).num_splits
+                times = []
+                for splits in (1, 2, 3, 4):
+                    run = functools.partial(case.run_triton, num_splits=splits)
+                    times.append(case.time(run) * 1e3)
+                best = 1 + min(range(4), key=times.__getitem__)
+                line = " ".join(f"{t:6.1f}" for t in times)
+                print(f"splits {case.name}: 1-4 splits {line} us; best {best}, chosen {chosen}")
+                del case
 
 
 def sweep(peak: float) -> None:
