@@ -27,7 +27,7 @@ the op's. --gather also times a kernel that only gathers the same key
 rows in the op's grid of programs (what a gather of random 1 KB rows
 reaches here); --sweep times tile and split variants at B=64; --splits
 times the op as the engine runs it at batch sizes 8-128 with 1-4 splits
-against the split count sparse_config chooses.
+and with the split count sparse_config chooses.
 """
 
 from __future__ import annotations
@@ -241,21 +241,21 @@ def compiled_kernels() -> None:
 
 
 def split_counts(sms: int) -> None:
-    """The op (as the engine runs it) with 1-4 splits at several batch
-    sizes, CSA and HCA, 4k and 64k: whether the split count sparse_config
-    picks (from SMs and tiles only) is the fastest."""
+    """The op (as the engine runs it) with 1-4 splits and with the count
+    sparse_config picks (from SMs and tiles only) at several batch sizes,
+    CSA and HCA, 4k and 64k: whether that pick is the fastest."""
     for csa in (True, False):
         for ctx in (4096, 65536):
             for batch in (8, 16, 32, 48, 64, 96, 128):
                 case = Case(batch, ctx, csa)
                 chosen = tri.sparse_config(batch, H, D, case.keys, sms, 2, not csa).num_splits
-                times = []
-                for splits in (1, 2, 3, 4):
+                times = {}
+                for splits in sorted({1, 2, 3, 4, chosen}):
                     run = functools.partial(case.run_triton, num_splits=splits)
-                    times.append(case.time(run) * 1e3)
-                best = 1 + min(range(4), key=times.__getitem__)
-                line = " ".join(f"{t:6.1f}" for t in times)
-                print(f"splits {case.name}: 1-4 splits {line} us; best {best}, chosen {chosen}")
+                    times[splits] = case.time(run) * 1e3
+                best = min(times, key=times.__getitem__)
+                line = "  ".join(f"{n}: {t:.1f}" for n, t in times.items())
+                print(f"splits {case.name}: {line} (us); best {best}, chosen {chosen}")
                 del case
 
 
