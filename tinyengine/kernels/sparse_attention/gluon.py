@@ -9,8 +9,9 @@ them.
 
 Why. With every warp on every tile (as in the Triton kernel), a step is
 one chain that all eight warps walk together: the tile's block-id loads
-and gathers, QK^T, a softmax whose row max crosses warpgroups, PV. The tensor cores idle during
-the softmax and the warps idle during the products and loads. Here:
+and gathers, QK^T, a softmax whose row max crosses warpgroups, PV. The
+tensor cores idle during the softmax and the warps idle during the
+products and loads. Here:
 
   - the producer (4 warps, 96 registers) loads each tile's picks four
     tiles ahead and their block ids two ahead (kernels/sparse_attention/
@@ -41,8 +42,8 @@ warpgroup's PV has read its P), `q_full` (the query landed).
 Dead keys. A CSA row's picks are used where they are (no compaction into
 scratch): a pick of -1 is a dead key, masked to -inf in the scores (the
 producer's live mask); its ring row is zero-filled by the masked cp.async
-and neither its block id nor its row is loaded. A tile, or a whole split, may hold only dead keys;
-the running max stays -inf there and is used as 0.
+and neither its block id nor its row is loaded. A tile, or a whole split,
+may hold only dead keys; the running max stays -inf there and is used as 0.
 
 Where it stands (H100, Triton 3.6, benchmarks/bench_v4_attention.py, CSA
 rows of 640 keys): B=64 in 37.1 us, 21% of the measured bf16 MMA peak;
@@ -54,9 +55,9 @@ bytes at about half the rate a plain gather kernel reaches, and the fp32
 partials (written here, read back by the reduce) add a third to the bytes.
 
 Shared memory: the query (64 KB), four 32-key ring slots (128 KB) and
-their live masks, two P tiles (8 KB), the running stats (1 KB). No interpreter runs Gluon: CPU
-tests cover the Triton kernel, GPU tests compare this one with the
-reference.
+their live masks, two P tiles (8 KB), the running stats (1 KB). No
+interpreter runs Gluon: CPU tests cover the Triton kernel, GPU tests
+compare this one with the reference.
 """
 
 from __future__ import annotations
