@@ -30,7 +30,7 @@ if HAVE_GLUON:
     _TOPK_ENTRIES = gl.constexpr(TOPK_ENTRIES)
 
     @gluon.jit
-    def tile_picks(topk_row, j, end, n_win, MODE: gl.constexpr):
+    def _tile_picks(topk_row, j, end, n_win, MODE: gl.constexpr):
         """Stage one of a tile's row offsets: the entry numbers of keys j
         (a CSA row's picks, loaded; otherwise j - n_win; 0 for window keys
         and keys past `end`, and -1 for a pick of none)."""
@@ -42,35 +42,30 @@ if HAVE_GLUON:
         return w
 
     @gluon.jit
-    def live_keys(j, w, end, n_win):
-        """Whether keys j (entry numbers w) are live: inside the split and a
-        window row or an entry that is not a pick of none."""
-        return (j < end) & ((j < n_win) | (w >= 0))
-
-    @gluon.jit
     def _keys(j, w, end, n_win, first, table_offset, RATIO: gl.constexpr,
               BLOCK_SIZE: gl.constexpr):  # fmt: skip
-        """What keys j with entry numbers w are: (live, is a window row,
-        position of a window row, last position of an entry, block table
-        column of either)."""
+        """What keys j with entry numbers w are: (live: inside the split and
+        a window row or an entry that is not a pick of none; is a window
+        row; position of a window row; last position of an entry; block
+        table column of either)."""
         is_win = j < n_win
-        live = live_keys(j, w, end, n_win)
+        live = (j < end) & (is_win | (w >= 0))
         pos = gl.where(is_win, first + j, 0)
         last = gl.where(live & ~is_win, (w + 1) * RATIO - 1, 0)
         col = gl.where(is_win, pos // BLOCK_SIZE, table_offset + last // BLOCK_SIZE)
         return live, is_win, pos, last, col
 
     @gluon.jit
-    def block_ids(table_row, table_offset, j, w, end, n_win, first, RATIO: gl.constexpr,
+    def _block_ids(table_row, table_offset, j, w, end, n_win, first, RATIO: gl.constexpr,
                   BLOCK_SIZE: gl.constexpr):  # fmt: skip
         """Stage two: the block ids of keys j (a dead key's is not loaded).
-        Only issued here; row_offsets is the first use, so the load's latency
+        Only issued here; _row_offsets is the first use, so the load's latency
         passes under whatever runs between the two."""
         live, _, _, _, col = _keys(j, w, end, n_win, first, table_offset, RATIO, BLOCK_SIZE)
         return gl.load(table_row + col, mask=live, other=0)
 
     @gluon.jit
-    def row_offsets(
+    def _row_offsets(
         blk, table_offset, entry_offset, j, w, end, n_win, first,
         stride_kb, stride_ks, stride_eb, stride_er, RATIO: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     ):  # fmt: skip
@@ -113,20 +108,20 @@ if HAVE_GLUON:
         # block ids two, so each load has two tiles' gathers to land in.
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         j = start + keys
-        w0 = tile_picks(topk_row, j, end, n_win, MODE)
-        w1 = tile_picks(topk_row, j + BLOCK_N, end, n_win, MODE)
-        w2 = tile_picks(topk_row, j + 2 * BLOCK_N, end, n_win, MODE)
-        w3 = tile_picks(topk_row, j + 3 * BLOCK_N, end, n_win, MODE)
-        b0 = block_ids(table_row, table_offset, j, w0, end, n_win, first, RATIO, BLOCK_SIZE)
-        b1 = block_ids(table_row, table_offset, j + BLOCK_N, w1, end, n_win, first, RATIO,
+        w0 = _tile_picks(topk_row, j, end, n_win, MODE)
+        w1 = _tile_picks(topk_row, j + BLOCK_N, end, n_win, MODE)
+        w2 = _tile_picks(topk_row, j + 2 * BLOCK_N, end, n_win, MODE)
+        w3 = _tile_picks(topk_row, j + 3 * BLOCK_N, end, n_win, MODE)
+        b0 = _block_ids(table_row, table_offset, j, w0, end, n_win, first, RATIO, BLOCK_SIZE)
+        b1 = _block_ids(table_row, table_offset, j + BLOCK_N, w1, end, n_win, first, RATIO,
                        BLOCK_SIZE)  # fmt: skip
         for t in range(num_tiles):
             slot = t % num_stages
             j = start + t * BLOCK_N + keys
-            w4 = tile_picks(topk_row, j + 4 * BLOCK_N, end, n_win, MODE)
-            b2 = block_ids(table_row, table_offset, j + 2 * BLOCK_N, w2, end, n_win, first,
+            w4 = _tile_picks(topk_row, j + 4 * BLOCK_N, end, n_win, MODE)
+            b2 = _block_ids(table_row, table_offset, j + 2 * BLOCK_N, w2, end, n_win, first,
                            RATIO, BLOCK_SIZE)  # fmt: skip
-            offs, live = row_offsets(
+            offs, live = _row_offsets(
                 b0, table_offset, entry_offset, j, w0, end, n_win, first,
                 stride_kb, stride_ks, stride_eb, stride_er, RATIO, BLOCK_SIZE,
             )  # fmt: skip
