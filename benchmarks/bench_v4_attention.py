@@ -113,16 +113,20 @@ class Case:
     def run_reference(self) -> torch.Tensor:
         return ref.sparse_attention(self.q, self.kv_cache, self.attn, **self.kwargs())
 
+    @property
+    def work(self) -> tuple[int, int]:
+        """(FLOPs, bytes) of the op: QK and PV over every key, and the key
+        rows read plus q and out."""
+        return 4 * H * D * self.keys * self.batch, (self.keys * D + 2 * H * D) * 2 * self.batch
+
     def figures(self, ms: float) -> tuple[float, float]:
-        flops = 4 * H * D * self.keys * self.batch
-        nbytes = (self.keys * D + 2 * H * D) * 2 * self.batch
+        flops, nbytes = self.work
         return flops / ms / 1e9, nbytes / ms / 1e9
 
     def roofline_ms(self, peak_tflops: float, read_bytes_per_s: float) -> float:
         """The op's least time: its FLOPs at the MMA peak or its bytes at
         the read bandwidth, whichever is longer."""
-        flops = 4 * H * D * self.keys * self.batch
-        nbytes = (self.keys * D + 2 * H * D) * 2 * self.batch
+        flops, nbytes = self.work
         return max(flops / (peak_tflops * 1e12), nbytes / read_bytes_per_s) * 1e3
 
     @property
