@@ -215,6 +215,19 @@ def test_tiles_and_splits(heads: int, block_h: int, block_n: int, splits: int, c
     b.check(b.run(num_splits=splits, block_h=block_h, block_n=block_n))
 
 
+@pytest.mark.parametrize("csa", [False, True])
+def test_empty_splits_ignore_stale_scratch(csa: bool) -> None:
+    """Splits with no live key write only their -inf lse; the reduce loads
+    their partials anyway (to not wait on the lse) and must drop whatever
+    the workspace held there: here NaN in every byte of it."""
+    b = V4Batch(decode_seqs([3, 22, 41, 64, 70]), heads=12, block_size=8, window=12,
+                ratio=4 if csa else 8, topk=20 if csa else None, csa=csa, seed=5)  # fmt: skip
+    ws = Workspace(b.q.device)
+    b.run(num_splits=9, block_h=16, block_n=16, workspace=ws)
+    ws.buffer.view(torch.uint8).fill_(0xFF)  # 0xFFFFFFFF: a float32 NaN
+    b.check(b.run(num_splits=9, block_h=16, block_n=16, workspace=ws))
+
+
 # Mixed steps: decode rows, chunks after a cached prefix that start and end
 # mid-block and cross windows and compression boundaries, a whole prompt
 # (no prefix), and padding rows. Every row goes through the kernel.

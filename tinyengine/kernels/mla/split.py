@@ -1,8 +1,8 @@
 """The Triton kernels of MLA decode (kernels/mla/triton.py launches them and
 says how they work): the split-KV kernel `_mla_split_kernel`, its per-tile
 steps (`_attend_tile`, and `_attend_gathered_tile` for tiles gathered row by
-row through pointers), and `_mla_reduce_kernel`, which merges the splits'
-partials (also those of the Gluon split kernel, kernels/mla/gluon.py).
+row through pointers). kernels/split_reduce.py merges the splits' partials
+(also those of the Gluon split kernel, kernels/mla/gluon.py).
 """
 
 from __future__ import annotations
@@ -196,42 +196,3 @@ def _mla_split_kernel(
         tl.store(part_lse_ptr + part_idx, m_i + tl.log2(l_i), mask=h_ok)
         p_ptrs = part_out_ptr + (part_idx * LATENT)[:, None] + offs_l[None, :]
         tl.store(p_ptrs, out, mask=o_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _mla_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, num_splits, stride_ob, stride_oh,
-    LATENT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-):  # fmt: skip
-    """Grid (B, H): out = sum_s w_s * part_s / sum_s w_s, w_s = 2^(lse_s - max lse).
-
-    The max comes from one [BLOCK_S] load; the [L]-wide partials are then
-    summed CHUNK_S splits at a time (a [BLOCK_S, 512] fp32 tile would not fit
-    in registers). Dead splits (lse = -inf) get weight 0 and their unwritten
-    partials are never loaded."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits
-    s = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
-    offs_l = tl.arange(0, BLOCK_L)
-    l_ok = offs_l < LATENT
-    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
-    denom = tl.zeros([CHUNK_S], dtype=tl.float32)
-    for i in range(0, num_splits, CHUNK_S):
-        si = i + tl.arange(0, CHUNK_S)
-        lse_i = tl.load(part_lse_ptr + base + si, mask=si < num_splits, other=float("-inf"))
-        live = lse_i > float("-inf")
-        w = tl.where(live, tl.exp2(lse_i - m), 0.0)
-        denom += w
-        part = tl.load(
-            part_out_ptr + (base + si)[:, None] * LATENT + offs_l[None, :],
-            mask=live[:, None] & l_ok[None, :], other=0.0,
-        )  # fmt: skip
-        acc += tl.sum(w[:, None] * part, 0)
-    total = tl.sum(denom, 0)
-    out = acc / tl.where(total == 0.0, 1.0, total)
-    o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_l
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=l_ok)

@@ -101,7 +101,7 @@ import triton
 import tinyengine.kernels.mla.gluon as mla_gluon
 from tinyengine.kernels.gluon_support import GluonUnavailable
 from tinyengine.kernels.launch import LOG2E, dot_precision, interpreting, num_sms
-from tinyengine.kernels.mla.split import RESCALE_THRESHOLD, _mla_reduce_kernel, _mla_split_kernel
+from tinyengine.kernels.mla.split import RESCALE_THRESHOLD, _mla_split_kernel
 from tinyengine.kernels.mla.tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLIT_TOKENS: tests read them here)
     _MIN_SPLIT_TOKENS,
     MAX_SPLITS,
@@ -109,10 +109,8 @@ from tinyengine.kernels.mla.tiles import (  # noqa: F401  (MAX_SPLITS, _MIN_SPLI
     _warps_for,
     mla_config,
 )
+from tinyengine.kernels.split_reduce import merge_splits
 from tinyengine.kernels.tma import descriptor, tma_ok
-
-_REDUCE_CHUNK = 4  # splits the reduce merges per step ([4, 512] fp32 per program)
-
 
 # ----------------------------------------------------------------------------- launchers
 
@@ -275,12 +273,5 @@ def launch_mla_decode(
             num_stages=num_stages,
         )  # fmt: skip
     if not direct:
-        _mla_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
-            LATENT=latent_dim, BLOCK_L=block_l,
-            # Fixed, not next_power_of_2(num_splits): every distinct BLOCK_S
-            # would be a new compile after startup.
-            BLOCK_S=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), CHUNK_S=_REDUCE_CHUNK,
-            num_warps=4,
-        )  # fmt: skip
+        merge_splits(out, part_out, part_lse, num_splits, MAX_SPLITS)
     return out

@@ -2,8 +2,8 @@
 time (kernels/sparse_attention/triton.py launches them and says how they
 work; kernels/sparse_attention/rows.py what a row is):
 the split kernel `_sparse_split_kernel`, its per-tile step `_attend_tile`
-and key gather `_key_rows`, and `_sparse_reduce_kernel`, which merges the
-splits' partials together with the sink.
+and key gather `_key_rows`. kernels/split_reduce.py merges the splits'
+partials together with the sink.
 """
 
 from __future__ import annotations
@@ -220,41 +220,3 @@ def _sparse_split_kernel(
         tl.store(part_lse_ptr + part_idx, lse, mask=h_ok)
         out = acc / tl.where(live, l_i, 1.0)[:, None]
         tl.store(part_out_ptr + (part_idx * D)[:, None] + offs_d[None, :], out, mask=o_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _sparse_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, num_splits, stride_ot, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-):  # fmt: skip
-    """Grid (rows, H): out = sum_s w_s * part_s / (sum_s w_s + w_sink),
-    w_s = 2^(lse_s - M), w_sink = 2^(sink - M), M the max of them all. Dead
-    splits (lse = -inf) weigh 0 and their unwritten partials are never
-    loaded; the [D]-wide partials are summed CHUNK_S splits at a time."""
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    base = (b * tl.num_programs(1) + head).to(tl.int64) * num_splits
-    s = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
-    sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
-    m = tl.maximum(tl.max(lse, 0), sink)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    denom = tl.zeros([CHUNK_S], dtype=tl.float32)
-    for i in range(0, num_splits, CHUNK_S):
-        si = i + tl.arange(0, CHUNK_S)
-        lse_i = tl.load(part_lse_ptr + base + si, mask=si < num_splits, other=float("-inf"))
-        live = lse_i > float("-inf")
-        w = tl.where(live, tl.exp2(lse_i - m), 0.0)
-        denom += w
-        part = tl.load(
-            part_out_ptr + (base + si)[:, None] * D + offs_d[None, :],
-            mask=live[:, None] & d_ok[None, :], other=0.0,
-        )  # fmt: skip
-        acc += tl.sum(w[:, None] * part, 0)
-    total = tl.sum(denom, 0) + tl.exp2(sink - m)
-    out = acc / tl.where(total == 0.0, 1.0, total)
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ot + head * stride_oh + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -104,12 +104,11 @@ from tinyengine.kernels.sparse_attention.split import (
     ALL_ENTRIES,
     TOPK_ENTRIES,
     WINDOW_ONLY,
-    _sparse_reduce_kernel,
     _sparse_split_kernel,
 )
+from tinyengine.kernels.split_reduce import merge_splits
 
 MAX_SPLITS = 64
-_REDUCE_CHUNK = 4  # splits the reduce merges per step ([4, D] fp32 per program)
 # A running max may lag the true one by this much (log2 units) before the
 # accumulator is rebased (LAZY_RESCALE): weights then reach 2^8.
 RESCALE_THRESHOLD = 8.0
@@ -315,10 +314,4 @@ def _attend_rows(
             num_stages=tiles.get("num_stages") or cfg.num_stages,
         )  # fmt: skip
     if not direct:
-        _sparse_reduce_kernel[(num_rows, num_heads)](
-            out, part_out, part_lse, sinks, num_splits, out.stride(0), out.stride(1),
-            D=head_dim, BLOCK_D=block_d,
-            # Fixed, not next_power_of_2(num_splits): every distinct BLOCK_S
-            # would be a new compile after startup.
-            BLOCK_S=MAX_SPLITS, CHUNK_S=_REDUCE_CHUNK, num_warps=4,
-        )  # fmt: skip
+        merge_splits(out, part_out, part_lse, num_splits, MAX_SPLITS, sinks)
