@@ -56,6 +56,8 @@ from typing import Any
 
 import torch
 
+from tinyengine.kernels import jit_monitor
+
 # A compile's child past this is killed and the compile runs on its thread
 # (the largest kernels compile in ~5 s on one core).
 CHILD_TIMEOUT_S = 120.0
@@ -144,6 +146,8 @@ def _forked(compile_fn: Callable) -> Callable:
     """compile_fn, first run in a forked child (module docstring)."""
 
     def compile_forked(*args: Any, **kwargs: Any) -> Any:
+        # The child's compile seconds (jit_monitor's count) come back through a pipe.
+        seconds_r, seconds_w = os.pipe()
         with _fork_lock, warnings.catch_warnings():
             # Python warns that a child of a threaded process may deadlock;
             # the child runs only the compiler, and a stuck one is killed.
@@ -152,12 +156,22 @@ def _forked(compile_fn: Callable) -> Callable:
         if pid == 0:
             code = 1
             try:
+                os.close(seconds_r)
                 gc.disable()  # collecting the parent's objects could free CUDA memory
+                before = jit_monitor.compile_seconds()
                 compile_fn(*args, **kwargs)
+                os.write(seconds_w, repr(jit_monitor.compile_seconds() - before).encode())
                 code = 0
             finally:
                 os._exit(code)
-        _reap(pid, CHILD_TIMEOUT_S)
+        os.close(seconds_w)
+        try:
+            _reap(pid, CHILD_TIMEOUT_S)
+            reported = os.read(seconds_r, 64)
+        finally:
+            os.close(seconds_r)
+        if reported:
+            jit_monitor.add_compile_seconds(float(reported))
         return compile_fn(*args, **kwargs)
 
     return compile_forked

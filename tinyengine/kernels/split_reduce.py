@@ -31,10 +31,11 @@ def _split_reduce_kernel(
     """Grid (rows, H), the module docstring's merge. The max comes from one
     [BLOCK_S] load; the [D]-wide partials are then summed CHUNK_S splits at
     a time (a [BLOCK_S, 512] fp32 tile would not fit in registers). A dead
-    split's partial (never written: whatever the workspace held) is loaded
-    with the live ones and replaced by zeros: masking its load by the lse
-    instead would make every partial load wait for the lse load, one more
-    memory round trip per program."""
+    split (lse = -inf) weighs 0 and its partial, never written (whatever
+    the workspace held), is never loaded. (Loading every partial with its
+    lse and zeroing the dead ones afterwards, so that the partial loads do
+    not wait on the lse loads, measured slower: MLA B=1 x 4k 19.0 us
+    against 17.3, V4 CSA B=64 37.6 against 37.2.)"""
     b = tl.program_id(0)
     head = tl.program_id(1)
     base = (b * tl.num_programs(1) + head).to(tl.int64) * num_splits
@@ -52,14 +53,14 @@ def _split_reduce_kernel(
     for i in range(0, num_splits, CHUNK_S):
         si = i + tl.arange(0, CHUNK_S)
         lse_i = tl.load(part_lse_ptr + base + si, mask=si < num_splits, other=float("-inf"))
-        part = tl.load(
-            part_out_ptr + (base + si)[:, None] * D + offs_d[None, :],
-            mask=(si < num_splits)[:, None] & d_ok[None, :], other=0.0,
-        )  # fmt: skip
         live = lse_i > float("-inf")
         w = tl.where(live, tl.exp2(lse_i - m), 0.0)
         denom += w
-        acc += tl.sum(w[:, None] * tl.where(live[:, None], part, 0.0), 0)
+        part = tl.load(
+            part_out_ptr + (base + si)[:, None] * D + offs_d[None, :],
+            mask=live[:, None] & d_ok[None, :], other=0.0,
+        )  # fmt: skip
+        acc += tl.sum(w[:, None] * part, 0)
     total = tl.sum(denom, 0)
     if HAS_SINKS:
         total += tl.exp2(sink - m)

@@ -50,9 +50,10 @@ H200's ridge, so the tile must feed the tensor cores as in MLA decode
 (kernels/mla/triton.py): 64 heads per program (a Hopper warpgroup MMA's M),
 an fp32 [64, 512] accumulator over 8 warps, 64-key tiles in 2 stages
 (64 KB each) next to the 64 KB query. A row has few keys (window + top-k =
-640 for CSA), so the split count is chosen to fill the SMs once: rows x head
-blocks x splits <= SM count (B=1: up to one tile per split; B=64: 2 splits),
-and never more splits than tiles. Each split writes a normalised fp32
+640 for CSA), so the rows are split: up to three quarters of the SMs' program
+slots, never more splits than tiles, and no more than pay for the partials
+they add (`num_splits_for`; B=1: a split per tile; B=48: 2; B=64: 1). Each
+split writes a normalised fp32
 [BLOCK_H, D] partial and its log2-sum-exp; the reduce kernel merges them
 with the sink, the one logit without a value:
 
@@ -140,7 +141,7 @@ def sparse_config(
         # in shared memory at the bf16 tile's size.
         block_h, block_n = min(block_h, 32), 32
     warps = _warps_for(block_h, head_dim)
-    splits = num_splits_for(rows, num_heads, block_h, max_keys, block_n, sms, warps)
+    splits = num_splits_for(rows, num_heads, block_h, max_keys, block_n, sms, warps, elem_bytes)
     return SparseConfig(block_h, block_n, warps, 2, splits, lazy_rescale=every_entry)
 
 
@@ -151,15 +152,35 @@ def _warps_for(block_h: int, head_dim: int) -> int:
 
 def num_splits_for(
     rows: int, num_heads: int, block_h: int, max_keys: int, block_n: int, sms: int,
-    num_warps: int = 8,
+    num_warps: int = 8, elem_bytes: int = 2,
 ) -> int:  # fmt: skip
-    """As many splits as fill the SMs once, never more than the row's tiles.
+    """Splits per (row, head block): as many as fill three quarters of the
+    program slots, never more than the row's tiles, and then no more than
+    pay for their partials.
+
     An SM holds one 8-warp program (its [64, 512] tiles take most of the
-    shared memory and all registers) or two 4-warp ones."""
+    shared memory and all registers) or two 4-warp ones. A program reads
+    its rows at a rate set by latency (~1/slots of the GPU's bandwidth), so
+    s splits take (1 - 1/s) of the row's key bytes off the longest path,
+    while their fp32 partials, 8 * rows * heads * s bytes a column written
+    and read back by the reduce, move at the whole GPU's rate: a split is
+    kept only while keys * (1 - 1/s) * elem_bytes * slots >= 8 * rows *
+    heads * s. Measured on an H100 (benchmarks/bench_v4_attention.py
+    --splits, V4-Flash's 64 heads, 160 and 640 keys, 8-128 rows): this
+    choice is within 0.6 us of the fastest split count everywhere; filling
+    every slot as before lost up to 5.5 us (HCA, 64 rows: 21.2 against
+    15.7 with one split), and beyond three quarters of the slots the
+    partials' traffic outweighs the extra programs (CSA, 32 rows, 4 splits:
+    25.4 us, 3 splits 23.9)."""
     slots = sms * (2 if num_warps <= 4 else 1)
     programs = rows * triton.cdiv(num_heads, block_h)
     tiles = max(1, triton.cdiv(max_keys, block_n))
-    return max(1, min(slots // max(1, programs), tiles, MAX_SPLITS))
+    splits = max(1, min(3 * slots // (4 * max(1, programs)), tiles, MAX_SPLITS))
+    while splits > 1 and max_keys * (splits - 1) * elem_bytes * slots < (
+        8 * rows * num_heads * splits * splits
+    ):
+        splits -= 1
+    return splits
 
 
 def sparse_attention(
@@ -253,7 +274,7 @@ def _attend_rows(
         cfg.num_warps if block_h == cfg.block_h else _warps_for(block_h, head_dim)
     )
     num_splits = tiles.get("num_splits") or num_splits_for(
-        num_rows, num_heads, block_h, max_keys, block_n, sms, num_warps
+        num_rows, num_heads, block_h, max_keys, block_n, sms, num_warps, elem
     )
     lazy = tiles.get("lazy_rescale")
     lazy = cfg.lazy_rescale if lazy is None else lazy
