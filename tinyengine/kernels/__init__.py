@@ -14,7 +14,9 @@ implementation of the same signature side by side (tests compare them):
     workspace/   the scratch arena every op draws temporary memory from
 
 Shared by the launchers: launch.py (interpreter detection, SM count, matmul
-precision), device_fn.py, tma.py; jit_monitor.py counts compiles for startup.
+precision), device_fn.py, tma.py, split_reduce.py (the merge of split-KV
+partials, MLA's and V4 sparse attention's); jit_monitor.py counts compiles
+for startup.
 opset.py is the one place that decides which implementation runs (`OpSet`,
 chosen once per engine from EngineConfig and carried by the forward context).
 
