@@ -168,8 +168,8 @@ def num_splits_for(
     heads * s. Measured on an H100 (benchmarks/bench_v4_attention.py
     --splits, V4-Flash's 64 heads, 160 and 640 keys, 8-128 rows): this
     choice is within 0.6 us of the fastest split count everywhere; filling
-    every slot as before lost up to 5.5 us (HCA, 64 rows: 21.2 against
-    15.7 with one split), and beyond three quarters of the slots the
+    every slot loses up to 5.5 us (HCA, 64 rows: 21.2 against 15.7 with
+    one split), and beyond three quarters of the slots the
     partials' traffic outweighs the extra programs (CSA, 32 rows, 4 splits:
     25.4 us, 3 splits 23.9)."""
     slots = sms * (2 if num_warps <= 4 else 1)
