@@ -53,9 +53,9 @@ an fp32 [64, 512] accumulator over 8 warps, 64-key tiles in 2 stages
 640 for CSA), so the rows are split: up to three quarters of the SMs' program
 slots, never more splits than tiles, and no more than pay for the partials
 they add (`num_splits_for`; B=1: a split per tile; B=48: 2; B=64: 1). Each
-split writes a normalised fp32
-[BLOCK_H, D] partial and its log2-sum-exp; the reduce kernel merges them
-with the sink, the one logit without a value:
+split writes a normalised fp32 [BLOCK_H, D] partial and its log2-sum-exp;
+the reduce kernel (kernels/split_reduce.py) merges them with the sink, the
+one logit without a value:
 
     out = sum_j 2^(s_j - M) v_j / (2^(sink - M) + sum_j 2^(s_j - M))
 
@@ -169,9 +169,9 @@ def num_splits_for(
     --splits, V4-Flash's 64 heads, 160 and 640 keys, 8-128 rows): this
     choice is within 0.6 us of the fastest split count everywhere; filling
     every slot loses up to 5.5 us (HCA, 64 rows: 21.2 against 15.7 with
-    one split), and beyond three quarters of the slots the
-    partials' traffic outweighs the extra programs (CSA, 32 rows, 4 splits:
-    25.4 us, 3 splits 23.9)."""
+    one split), and beyond three quarters of the slots the partials'
+    traffic outweighs the extra programs (CSA, 32 rows, 4 splits: 25.4 us,
+    3 splits 23.9)."""
     slots = sms * (2 if num_warps <= 4 else 1)
     programs = rows * triton.cdiv(num_heads, block_h)
     tiles = max(1, triton.cdiv(max_keys, block_n))
