@@ -246,8 +246,8 @@ def compiled_kernels() -> None:
 
 def split_counts(sms: int) -> None:
     """The op (as the engine runs it) with 1-4 splits and with the count
-    sparse_config picks (from SMs and tiles only) at several batch sizes,
-    CSA and HCA, 4k and 64k: whether that pick is the fastest."""
+    sparse_config picks (num_splits_for) at several batch sizes, CSA and
+    HCA, 4k and 64k: whether that pick is the fastest."""
     for csa in (True, False):
         for ctx in (4096, 65536):
             for batch in (8, 16, 32, 48, 64, 96, 128):

@@ -273,8 +273,10 @@ def _attend_rows(
     num_warps = tiles.get("num_warps") or (
         cfg.num_warps if block_h == cfg.block_h else _warps_for(block_h, head_dim)
     )
-    num_splits = tiles.get("num_splits") or num_splits_for(
-        num_rows, num_heads, block_h, max_keys, block_n, sms, num_warps, elem
+    num_splits = tiles.get("num_splits") or (
+        cfg.num_splits
+        if (block_h, block_n, num_warps) == cfg[:3]
+        else num_splits_for(num_rows, num_heads, block_h, max_keys, block_n, sms, num_warps, elem)
     )
     lazy = tiles.get("lazy_rescale")
     lazy = cfg.lazy_rescale if lazy is None else lazy
