@@ -8,6 +8,8 @@ On the GPU, each architecture in a fresh process with an empty Triton cache:
   * the dry run leaves nothing behind: greedy tokens and logprobs equal those
     of an engine started with compile_threads=0 (each variant compiled at its
     first launch, nothing run dry).
+  * the pool also loads each variant and builds its host launcher, which
+    Triton otherwise does at the variant's first real launch.
 On the CPU: the setting's validation and resolution, and that nothing runs
 dry off the GPU.
 """
@@ -20,6 +22,8 @@ import subprocess
 import sys
 
 import pytest
+import triton
+import triton.language as tl
 
 from tests.hf_deepseek import make_tiny_deepseek
 from tests.hf_deepseek_v4 import make_tiny_v4
@@ -179,3 +183,26 @@ def test_launches_share_a_compile_only_where_triton_would():
     assert _variant_key(len, (x[1:], 5, 7), {"BLOCK": 32, "num_warps": 4}) != key
     assert _variant_key(len, (x, 5, 7), {"BLOCK": 64, "num_warps": 4}) != key
     assert _variant_key(max, (x, 5, 7), {"BLOCK": 32, "num_warps": 4}) != key
+
+
+@triton.jit
+def _double(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_ahead_loads_each_variant():
+    import torch
+
+    from tinyengine.kernels.compile_ahead import compile_ahead
+
+    x = torch.ones(100, device="cuda")
+    with compile_ahead(2) as futures:
+        _double[(1,)](x, 100, BLOCK=128)
+        _double[(1,)](x, 100, BLOCK=256)
+    kernels = [f.result() for f in futures]
+    assert len(kernels) == 2 and all(k.module is not None for k in kernels)
+    assert torch.equal(x, torch.ones_like(x))  # nothing ran inside the block
+    _double[(1,)](x, 100, BLOCK=128)
+    assert torch.equal(x, torch.full_like(x, 2.0))

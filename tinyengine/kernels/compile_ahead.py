@@ -20,8 +20,22 @@ garbage index would trip a device-side assert). Torch ops still run, on
 garbage floats, which is harmless. Compiles that fail are ignored here: the
 real launch compiles again and raises where it always would.
 
+The GIL still bounds how many compiles overlap: Triton's Python front end
+and parts of its MLIR and LLVM stages hold it, so on a many-core host a
+thread pool gets through ~25 variants no faster than ~5-8 s. So where the
+OS can fork, each pool thread compiles its variant in a forked child of
+this process (`_forked`): the child inherits every imported module and the
+kernel's source, compiles into Triton's on-disk cache with a GIL of its
+own, and exits; the thread then makes the same compile call, which finds
+the binary there. A child never touches CUDA (Triton compiles for an
+explicit target; the child exits with os._exit, running no destructors),
+so forking a process that holds a CUDA context is safe for it. A child that
+fails, or has not finished in `CHILD_TIMEOUT_S`, costs only time: the
+thread's own call then compiles (and fails) as it would have without the
+fork.
+
 Owns the interception (one patch of JITFunction.run, undone on exit; Gluon
-kernels inherit it) and the pool. Launches are deduplicated by what Triton's
+kernels inherit it), the pool and the forked compiles. Launches are deduplicated by what Triton's
 default specialization looks at (`_variant_key`), so launches that differ
 only in an integer's value share a compile. A variant the key misses (a
 kernel's own specialization rules) compiles at its real launch, as it would
@@ -30,22 +44,37 @@ have without this block.
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
-from collections.abc import Iterator
+import time
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from tinyengine.kernels import jit_monitor
+
+# A compile's child past this is killed and the compile runs on its thread
+# (the largest kernels compile in ~5 s on one core).
+CHILD_TIMEOUT_S = 120.0
+_fork_lock = threading.Lock()
+
 
 @contextmanager
 def compile_ahead(threads: int) -> Iterator[list[Future]]:
     """Turn this thread's Triton launches into parallel compiles (module
     docstring); yields the list of compile futures, complete on exit."""
+    from triton.compiler import compile as triton_compile
     from triton.runtime.jit import JITFunction
 
     launch = JITFunction.run
+    # The kernels whose compile call goes through a child, and their own.
+    fork = hasattr(os, "fork") and not _always_compile()
+    forked: dict[Any, Callable] = {}
     owner = threading.get_ident()
     device = torch.cuda.current_device()
     seen: set[tuple] = set()
@@ -54,7 +83,15 @@ def compile_ahead(threads: int) -> Iterator[list[Future]]:
 
     def compile_variant(fn: Any, args: tuple, grid: Any, kwargs: dict) -> Any:
         torch.cuda.set_device(device)  # Triton reads the thread's current device
-        return launch(fn, *args, grid=grid, warmup=True, **kwargs)
+        kernel = launch(fn, *args, grid=grid, warmup=True, **kwargs)
+        # What Triton otherwise does at the variant's first real launch, on
+        # the launching thread: load the binary onto the device and make its
+        # host launcher (before Triton 3.9 a small C module per argument
+        # signature, built by the system's C compiler on a cache miss).
+        init_handles = getattr(kernel, "_init_handles", None)
+        if init_handles is not None:
+            init_handles()
+        return kernel
 
     def run(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         if threading.get_ident() != owner:  # the pool's own compile-only launches
@@ -67,6 +104,9 @@ def compile_ahead(threads: int) -> Iterator[list[Future]]:
             caches = getattr(fn, "device_caches", None)
             if caches is not None:
                 caches[device]
+            if fork and fn not in forked and getattr(fn, "compile", None) is triton_compile:
+                forked[fn] = fn.compile
+                fn.compile = _forked(triton_compile)
             futures.append(pool.submit(compile_variant, fn, args, grid, kwargs))
         return None
 
@@ -77,6 +117,8 @@ def compile_ahead(threads: int) -> Iterator[list[Future]]:
         JITFunction.run = launch
         wait(futures)
         pool.shutdown()
+        for fn, compile_fn in forked.items():
+            fn.compile = compile_fn
 
 
 def _variant_key(fn: Any, args: tuple, kwargs: dict) -> tuple:
@@ -98,3 +140,90 @@ def _specialization(arg: Any) -> tuple:
     if isinstance(arg, int) and not isinstance(arg, bool):
         return "int", arg == 1, arg % 16 == 0
     return (arg,) if isinstance(arg, (bool, str, type(None))) else (type(arg).__name__,)
+
+
+def _always_compile() -> bool:
+    """Triton set to compile on every call (TRITON_ALWAYS_COMPILE): a
+    child's binary would not be reused, so nothing is forked."""
+    from triton import knobs
+
+    return bool(getattr(getattr(knobs, "compilation", None), "always_compile", False))
+
+
+def _forked(compile_fn: Callable) -> Callable:
+    """compile_fn, first run in a forked child (module docstring)."""
+
+    def compile_forked(*args: Any, **kwargs: Any) -> Any:
+        if _cached(*args, **kwargs):  # a warm start: nothing to compile, nothing to fork
+            return compile_fn(*args, **kwargs)
+        # The child's compile seconds (jit_monitor's count) come back through a pipe.
+        seconds_r, seconds_w = os.pipe()
+        with _fork_lock, warnings.catch_warnings():
+            # Python warns that a child of a threaded process may deadlock;
+            # the child runs only the compiler, and a stuck one is killed.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(seconds_r)
+                gc.disable()  # collecting the parent's objects could free CUDA memory
+                before = jit_monitor.compile_seconds()
+                compile_fn(*args, **kwargs)
+                os.write(seconds_w, repr(jit_monitor.compile_seconds() - before).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(seconds_w)
+        try:
+            _reap(pid, CHILD_TIMEOUT_S)
+            reported = os.read(seconds_r, 64)
+        finally:
+            os.close(seconds_r)
+        if reported:
+            jit_monitor.add_compile_seconds(float(reported))
+        return compile_fn(*args, **kwargs)
+
+    return compile_forked
+
+
+def _cached(*args: Any, **kwargs: Any) -> bool:
+    """Whether Triton's on-disk cache already holds the compile that
+    triton.compile(*args, **kwargs) would make, looked up as it looks it up
+    (its cache key and file group). Computing the key also fills the
+    compiler's per-process caches (the backend's hash, ptxas's version)
+    before any fork, so no child recomputes them. Any failure (other
+    arguments, another Triton's internals) answers False: the variant is
+    then compiled in a child, which finds it cached if it was."""
+    try:
+        return _cache_lookup(*args, **kwargs)
+    except Exception:
+        return False
+
+
+def _cache_lookup(src: Any, target: Any = None, options: Any = None, _env_vars: Any = None) -> bool:
+    import hashlib
+
+    from triton.compiler.compiler import (
+        get_cache_invalidating_env_vars,
+        get_cache_key,
+        make_backend,
+    )
+    from triton.runtime.cache import get_cache_manager
+
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options or {}, **src.parse_options()))
+    env = get_cache_invalidating_env_vars() if _env_vars is None else _env_vars
+    digest = hashlib.sha256(get_cache_key(src, backend, opts, env_vars=env).encode()).hexdigest()
+    return get_cache_manager(digest).get_group(f"{src.name[:150]}.json") is not None
+
+
+def _reap(pid: int, timeout_s: float) -> None:
+    """Wait for child pid, killing it past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.002)

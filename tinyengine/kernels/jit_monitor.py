@@ -10,8 +10,9 @@ Owns process-wide counters fed by two Triton hooks:
     `jit_compiles_after_ready`.
   * the compiler's listener (Triton >= 3.4), once per compile call with
     its duration and whether the on-disk cache had it: the seconds spent
-    compiling for real, which is where an empty-cache start goes. The
-    startup report shows both per stage (worker/startup.py).
+    compiling for real, which is where an empty-cache start goes (also
+    what forked compiles report back, `add_compile_seconds`). The startup
+    report shows both per stage (worker/startup.py).
 
 Never changes what Triton compiles; it only counts.
 """
@@ -83,6 +84,14 @@ def num_compiles() -> int:
 def compile_seconds() -> float:
     """Seconds spent compiling what the on-disk cache did not have."""
     return _compile_us / 1e6
+
+
+def add_compile_seconds(seconds: float) -> None:
+    """Count compile time spent in another process for this one (a forked
+    compile, kernels/compile_ahead.py, whose binary this process then finds
+    in the on-disk cache)."""
+    global _compile_us
+    _compile_us += int(seconds * 1e6)
 
 
 def compiled_since(count: int) -> list[str]:
