@@ -15,8 +15,9 @@ implementation of the same signature side by side (tests compare them):
 
 Shared by the launchers: launch.py (interpreter detection, SM count, matmul
 precision), device_fn.py, tma.py, split_reduce.py (the merge of split-KV
-partials, MLA's and V4 sparse attention's); jit_monitor.py counts compiles
-for startup.
+partials, MLA's and V4 sparse attention's). For startup: jit_monitor.py
+counts compiles, compile_ahead.py compiles a startup's variants in
+parallel, compiler_key.py hashes Triton's compiler key in a child process.
 opset.py is the one place that decides which implementation runs (`OpSet`,
 chosen once per engine from EngineConfig and carried by the forward context).
 

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from tinyengine.kernels import jit_monitor
+from tinyengine.kernels import compiler_key, jit_monitor
 
 # A compile's child past this is killed and the compile runs on its thread
 # (the largest kernels compile in ~5 s on one core).
@@ -71,6 +71,7 @@ def compile_ahead(threads: int) -> Iterator[list[Future]]:
     from triton.compiler import compile as triton_compile
     from triton.runtime.jit import JITFunction
 
+    compiler_key.wait()  # else every pool thread's first compile hashes Triton itself
     launch = JITFunction.run
     # The kernels whose compile call goes through a child, and their own.
     fork = hasattr(os, "fork") and not _always_compile()

@@ -22,7 +22,7 @@ import torch
 
 from tinyengine.config import EngineConfig
 from tinyengine.distributed.tp import tp_group
-from tinyengine.kernels import choose_ops
+from tinyengine.kernels import choose_ops, compiler_key
 from tinyengine.kernels.batch_invariant import batch_invariant_ops
 from tinyengine.kernels.workspace import Workspace
 from tinyengine.models.context import AttentionMetadata, ForwardContext
@@ -71,6 +71,8 @@ class ModelRunner:
         self.workspace = Workspace(self.device)
         # Every op the model and the sampler call, chosen once (kernels/opset.py).
         backend = config.resolved_attention_backend(self.device.type, hf_config)
+        if backend == "triton" and self.device.type == "cuda":
+            compiler_key.start()  # hashed in a child while the startup goes on
         self.ops = choose_ops(backend, self.device.type, self.workspace)
         if config.batch_invariant:
             self.ops = batch_invariant_ops(self.ops)
