@@ -39,3 +39,30 @@ def test_a_listener_call_it_cannot_read_is_ignored():
     jit_monitor._on_listen(times=None, cache_hit=False)
     jit_monitor._on_listen(times=object(), cache_hit=False)
     assert jit_monitor.compile_seconds() == before
+
+
+def test_counts_from_concurrent_compiles_add_up():
+    """compile_ahead's pool threads call the hooks at once; no count is lost."""
+    import sys
+    import threading
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    threads, calls = 8, 5_000
+    count, seconds = jit_monitor.num_compiles(), jit_monitor.compile_seconds()
+
+    def compile_many() -> None:
+        for _ in range(calls):
+            jit_monitor._on_compile(repr="k")
+            jit_monitor.add_compile_seconds(1e-6)
+
+    try:
+        workers = [threading.Thread(target=compile_many) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert jit_monitor.num_compiles() - count == threads * calls
+    assert jit_monitor.compile_seconds() - seconds == pytest.approx(threads * calls * 1e-6)

@@ -19,8 +19,12 @@ Never changes what Triton compiles; it only counts.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
+# compile_ahead's pool threads compile, and so call both hooks, at once: an
+# unguarded `+=` on a module global can lose a count between its read and write.
+_lock = threading.Lock()
 _count = 0
 _installed = False
 _names: list[str] = []  # what compiled, in order (Triton's repr: kernel and specialization)
@@ -29,8 +33,10 @@ _compile_us = 0  # compiles the on-disk cache did not have, summed, in microseco
 
 def _on_compile(*args: Any, **kwargs: Any) -> None:
     global _count
-    _count += 1
-    _names.append(str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?")))
+    name = str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?"))
+    with _lock:
+        _count += 1
+        _names.append(name)
 
 
 def _on_listen(*args: Any, **kwargs: Any) -> None:
@@ -42,7 +48,8 @@ def _on_listen(*args: Any, **kwargs: Any) -> None:
     cache_hit = kwargs.get("cache_hit", args[4] if len(args) > 4 else True)
     total = getattr(times, "total", None)
     if not cache_hit and isinstance(total, (int, float)):
-        _compile_us += int(total)
+        with _lock:
+            _compile_us += int(total)
 
 
 def install() -> bool:
@@ -91,7 +98,8 @@ def add_compile_seconds(seconds: float) -> None:
     compile, kernels/compile_ahead.py, whose binary this process then finds
     in the on-disk cache)."""
     global _compile_us
-    _compile_us += int(seconds * 1e6)
+    with _lock:
+        _compile_us += int(seconds * 1e6)
 
 
 def compiled_since(count: int) -> list[str]:
