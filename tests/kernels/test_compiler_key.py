@@ -14,21 +14,30 @@ from tinyengine.kernels import compiler_key  # noqa: E402
 
 @pytest.fixture
 def fresh_key(monkeypatch):
-    """Triton's own triton_key back in place after the test, and no child left over."""
+    """As in a fresh process (nothing hashed yet); Triton's own triton_key
+    back in place after the test, and no child left over."""
+    cache.triton_key.cache_clear()
     monkeypatch.setattr(cache, "triton_key", cache.triton_key)
     yield
     compiler_key.wait()
 
 
 def test_child_key_is_this_process_key(fresh_key):
-    own = cache.triton_key()  # Triton's own function, hashing here
+    own = cache.triton_key
     compiler_key.start()
     compiler_key.start()  # a second start neither spawns nor loses the first child
     assert compiler_key.wait()
     assert isinstance(cache.triton_key, compiler_key._Known)
-    assert cache.triton_key() == own
+    assert cache.triton_key() == own()  # Triton's own function, hashing here
     compiler_key.start()  # installed: nothing left to hash
     assert compiler_key._child is None
+
+
+def test_key_hashed_here_already_spawns_no_child(fresh_key):
+    cache.triton_key()
+    compiler_key.start()
+    assert compiler_key._child is None
+    assert compiler_key.wait()
 
 
 def test_key_from_another_triton_is_refused(fresh_key, monkeypatch):

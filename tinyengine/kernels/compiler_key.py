@@ -15,7 +15,8 @@ a thread: a thread's hashing takes the GIL back after every 1 MB chunk and
 crawls while the main thread runs Python (5.9 s instead of 0.8 s measured
 on a CPU host). The answer is installed only from the same Triton files as
 this process's; a child that fails, disagrees or is late (`TIMEOUT_S`)
-installs nothing, and the first compile then hashes as it always has.
+installs nothing, and the first compile then hashes as it always has. A
+process that has the key already (an earlier engine) starts no child.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def start() -> None:
     """Start hashing in a child process (once per process; idempotent)."""
     global _child
     with _lock:
-        if _child is not None or _installed():
+        if _child is not None or _known():
             return
         try:
             _child = subprocess.Popen(
@@ -59,7 +60,7 @@ def wait() -> bool:
     with _lock:
         child, _child = _child, None
         if child is None:
-            return _installed()
+            return _known()
         try:
             out, _ = child.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -82,9 +83,14 @@ def _install(triton_file: str, key: str) -> bool:
     return True
 
 
-def _installed() -> bool:
+def _known() -> bool:
+    """Whether this process has the key already: installed, or hashed here."""
     cache = sys.modules.get("triton.runtime.cache")
-    return cache is not None and isinstance(getattr(cache, "triton_key", None), _Known)
+    key = getattr(cache, "triton_key", None)
+    if isinstance(key, _Known):
+        return True
+    cache_info = getattr(key, "cache_info", None)  # Triton's own: an lru_cache
+    return cache_info is not None and cache_info().currsize > 0
 
 
 class _Known:
