@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from tinyengine.kernels import compiler_key
 from tinyengine.kernels.compile_ahead import compile_ahead
 from tinyengine.models.context import KVCacheSpec
 from tinyengine.worker.graph_capture import run_piecewise_shape
@@ -37,6 +38,10 @@ def precompile(runner: ModelRunner) -> int:
     """The dry run (module docstring) when the runner runs Triton kernels on
     a GPU and EngineConfig.compile_threads allows more than one thread.
     Returns how many variants it handed to the pool (0: skipped)."""
+    if runner.device.type == "cuda":
+        # The compiler key the runner had hashed in a child, installed (and
+        # the child reaped) whether or not the dry run runs.
+        compiler_key.wait()
     threads = compile_threads(runner.config.compile_threads)
     if threads < 2 or runner.device.type != "cuda" or runner.ops.name != "triton":
         return 0
