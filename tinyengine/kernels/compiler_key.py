@@ -8,7 +8,8 @@ first kernel variant, where a startup's compiles wait on it.
 
 `start()` (the runner calls it before it imports its kernels, on a GPU with
 the Triton ops) runs `triton_key()` in a child Python and `wait()`
-(compile_ahead calls it before any compile) installs the child's answer as
+(profile's first act on a GPU, worker/precompile.py; compile_ahead's too)
+installs the child's answer as
 this process's, the way Triton's own compile pools hand theirs the key. The
 child overlaps the runner's setup, the tokenizer and the weights' load. Not
 a thread: a thread's hashing takes the GIL back after every 1 MB chunk and
