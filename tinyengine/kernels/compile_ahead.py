@@ -5,41 +5,39 @@ Triton compiles a kernel variant at its first launch, on the launching
 thread, so a startup on an empty Triton cache meets its ~16 variants one
 after another, ~1 s each. Inside `compile_ahead(threads)` a Triton launch
 does not run: it becomes Triton's compile-only launch (`warmup=True`) on a
-thread pool, and leaving the block waits for every compile. Triton's
-compiler spends most of its time outside the GIL (MLIR passes, LLVM,
-ptxas), so the compiles overlap. Each compiled variant lands in the kernel's
-in-process cache (and Triton's on-disk one), where the real launches of the
-same shapes find it.
+thread pool, and leaving the block waits for every compile. Each compiled
+variant lands in the kernel's in-process cache (and Triton's on-disk one),
+where the real launches of the same shapes find it.
 
 Because no Triton kernel runs inside the block, every tensor one would have
 written keeps whatever it held: what the block computes is garbage. So only
-forwards that are made for their shapes run there (the startup's dummy shape
-runs, worker/precompile.py), and their host code must never depend on device
-values, nor index with a Triton kernel's integer output in a torch op (a
-garbage index would trip a device-side assert). Torch ops still run, on
-garbage floats, which is harmless. Compiles that fail are ignored here: the
-real launch compiles again and raises where it always would.
+forwards that are made for their shapes run there (the startup's dummy
+shape runs, worker/precompile.py), and their host code must never depend on
+device values, nor index with a Triton kernel's integer output in a torch
+op (a garbage index would trip a device-side assert). Torch ops still run,
+on garbage floats, which is harmless. Compiles that fail are ignored here:
+the real launch compiles again and raises where it always would.
 
-The GIL still bounds how many compiles overlap: Triton's Python front end
-and parts of its MLIR and LLVM stages hold it, so on a many-core host a
-thread pool gets through ~25 variants no faster than ~5-8 s. So where the
-OS can fork, each pool thread compiles its variant in a forked child of
-this process (`_forked`): the child inherits every imported module and the
-kernel's source, compiles into Triton's on-disk cache with a GIL of its
-own, and exits; the thread then makes the same compile call, which finds
-the binary there. A child never touches CUDA (Triton compiles for an
-explicit target; the child exits with os._exit, running no destructors),
-so forking a process that holds a CUDA context is safe for it. A child that
-fails, or has not finished in `CHILD_TIMEOUT_S`, costs only time: the
-thread's own call then compiles (and fails) as it would have without the
-fork.
+Threads alone overlap only what the compiler does outside the GIL (ptxas,
+parts of the MLIR and LLVM stages): Triton's Python front end and the rest
+hold it, so on a many-core host a pool of threads gets through ~25 variants
+no faster than ~5-8 s. So where the OS can fork, each pool thread compiles
+its variant in a forked child of this process (`_forked`): the child
+inherits every imported module and the kernel's source, compiles into
+Triton's on-disk cache with a GIL of its own, and exits; the thread then
+makes the same compile call, which finds the binary there. A child never
+touches CUDA (Triton compiles for an explicit target; the child exits with
+os._exit, running no destructors), so forking a process that holds a CUDA
+context is safe for it. A child that fails, or has not finished in
+`CHILD_TIMEOUT_S`, costs only time: the thread's own call then compiles
+(and fails) as it would have without the fork.
 
 Owns the interception (one patch of JITFunction.run, undone on exit; Gluon
-kernels inherit it), the pool and the forked compiles. Launches are deduplicated by what Triton's
-default specialization looks at (`_variant_key`), so launches that differ
-only in an integer's value share a compile. A variant the key misses (a
-kernel's own specialization rules) compiles at its real launch, as it would
-have without this block.
+kernels inherit it), the pool and the forked compiles. Launches are
+deduplicated by what Triton's default specialization looks at
+(`_variant_key`), so launches that differ only in an integer's value share
+a compile. A variant the key misses (a kernel's own specialization rules)
+compiles at its real launch, as it would have without this block.
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ from typing import Any
 
 import torch
 
-from tinyengine.kernels import compiler_key, jit_monitor
+from tinyengine.kernels import jit_monitor
 
 # A compile's child past this is killed and the compile runs on its thread
 # (the largest kernels compile in ~5 s on one core).
@@ -71,7 +69,6 @@ def compile_ahead(threads: int) -> Iterator[list[Future]]:
     from triton.compiler import compile as triton_compile
     from triton.runtime.jit import JITFunction
 
-    compiler_key.wait()  # else every pool thread's first compile hashes Triton itself
     launch = JITFunction.run
     # The kernels whose compile call goes through a child, and their own.
     fork = hasattr(os, "fork") and not _always_compile()
