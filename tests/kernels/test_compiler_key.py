@@ -70,3 +70,25 @@ def test_late_child_is_killed_and_installs_nothing(fresh_key, monkeypatch):
     assert not compiler_key.wait()
     assert child.poll() is not None  # killed, and reaped
     assert cache.triton_key is original
+
+
+def test_profile_installs_the_key_without_a_dry_run(fresh_key):
+    """precompile (profile's first act) waits for the child on every GPU
+    start, also when it compiles nothing ahead (one compile thread): the
+    child is reaped and its key installed. The runner is a stand-in: a CUDA
+    runner cannot exist on a CPU host, and precompile reads only these."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tinyengine.worker.precompile import precompile
+
+    compiler_key.start()
+    child = compiler_key._child
+    runner = SimpleNamespace(
+        device=torch.device("cuda"), config=SimpleNamespace(compile_threads=1),
+        ops=SimpleNamespace(name="triton"),
+    )  # fmt: skip
+    assert precompile(runner) == 0
+    assert compiler_key._child is None and child.poll() is not None
+    assert isinstance(cache.triton_key, compiler_key._Known)
