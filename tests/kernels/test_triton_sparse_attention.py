@@ -311,6 +311,26 @@ def test_same_signature_as_reference() -> None:
     assert inspect.signature(tri.sparse_attention) == inspect.signature(ref.sparse_attention)
 
 
+def test_address_differences_are_int64_arguments() -> None:
+    """entry_offset and table_delta are differences of two buffers'
+    addresses, which fit int32 or not by where the allocator put them:
+    declared int64, every distance runs the one variant that startup's dry
+    run compiled against profile's one-block caches."""
+    from triton.runtime.jit import JITFunction
+
+    from tinyengine.kernels.sparse_attention import gluon, split
+
+    kernels = [split._sparse_split_kernel]
+    if gluon.HAVE_GLUON:
+        kernels.append(gluon._sparse_split_gluon)
+    for kernel in kernels:
+        # The argument types Triton reads off the function (the interpreter's
+        # wrapper keeps the function as .fn, like a JITFunction).
+        params = JITFunction(kernel.fn).params
+        types = {p.name: p.annotation_type for p in params}
+        assert types["entry_offset"] == types["table_delta"] == "i64", kernel
+
+
 def test_split_choice() -> None:
     # V4-Flash decode (64 heads: one head block; CSA 128 + 512 keys = 10
     # tiles of 64, HCA at 4k 128 + 32 keys). The counts asserted are the

@@ -74,6 +74,8 @@ from tinyengine.kernels.gluon_support import (
 from tinyengine.kernels.sparse_attention.split import ALL_ENTRIES, TOPK_ENTRIES
 
 if HAVE_GLUON:
+    import triton.language as tl  # the kernel's 64-bit argument annotations
+
     from tinyengine.kernels.gluon_split import split_range, write_empty_split, write_partial
     from tinyengine.kernels.gluon_support import (
         cta_barrier,
@@ -231,8 +233,8 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["num_splits", "topk"])
     def _sparse_split_gluon(
-        q_ptr, kv_ptr, entry_offset, tables_ptr, table_delta, seq_lens_ptr, seqs_ptr, topk_ptr,
-        picks_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        q_ptr, kv_ptr, entry_offset: tl.int64, tables_ptr, table_delta: tl.int64, seq_lens_ptr,
+        seqs_ptr, topk_ptr, picks_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         qk_scale, num_splits, num_heads, topk,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_eb, stride_er, stride_bt, stride_ebt,
         stride_topk, stride_ot, stride_oh,

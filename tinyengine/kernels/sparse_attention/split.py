@@ -104,8 +104,8 @@ def _attend_tile(
 
 @triton.jit(do_not_specialize=["num_splits", "topk"])
 def _sparse_split_kernel(
-    q_ptr, kv_ptr, entry_offset, tables_ptr, table_delta, seq_lens_ptr, seqs_ptr, topk_ptr,
-    picks_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, entry_offset: tl.int64, tables_ptr, table_delta: tl.int64, seq_lens_ptr,
+    seqs_ptr, topk_ptr, picks_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, num_splits, num_heads, topk,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_eb, stride_er, stride_bt, stride_ebt,
     stride_topk, stride_ot, stride_oh,

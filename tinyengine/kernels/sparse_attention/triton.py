@@ -301,7 +301,11 @@ def _attend_rows(
     topk_t = topk if topk is not None else rows.seq_lens  # placeholder when unused
     # Entries and their table are addressed from the kv cache and the token
     # table (split.py's _key_rows says why): host ints from the tensors'
-    # addresses, fixed for a captured graph as the tensors are.
+    # addresses, fixed for a captured graph as the tensors are. The kernels
+    # declare both int64: a difference of two addresses fits int32 or not
+    # by where the allocator put the caches, and Triton would otherwise
+    # compile a variant for each, one of them first met in serving (the
+    # startup's dry run sees profile's one-block caches only).
     entry_offset = (entry_cache.data_ptr() - kv_cache.data_ptr()) // elem
     table_delta = (entry_tables.data_ptr() - tables.data_ptr()) // tables.element_size()
     strides = (kv_cache.stride(0), kv_cache.stride(1), entry_cache.stride(0), entry_cache.stride(1))
