@@ -60,15 +60,18 @@ def precompile(runner: ModelRunner) -> int:
 
 def startup_forwards(runner: ModelRunner) -> None:
     """Every dummy forward the startup runs, in shape: profile's and
-    warmup's (module docstring)."""
+    warmup's (module docstring). Prefill shapes first: their variants (the
+    prefill attention tiles, the fused MoE's large-token classes) are the
+    slowest to compile, and the pool starts each compile when the walk
+    meets it, so met last they would finish last."""
     pieces = runner.piecewise_graph_sizes()
     largest_prefill(runner)
+    run_prefill_classes(runner, set(pieces))
+    for size in reversed(pieces):
+        run_piecewise_shape(runner, size, layer_kinds=True)
     largest_decode(runner)
     for size in decode_shape_sizes(runner):
         runner.run_decode_shape(size)
-    for size in pieces:
-        run_piecewise_shape(runner, size, layer_kinds=True)
-    run_prefill_classes(runner, set(pieces))
     warmup_requests(runner)
 
 
