@@ -33,6 +33,26 @@ def admit(bm: BlockManager, request: Request) -> list[int]:
 # --- allocation and reference counts ---
 
 
+def test_block_views_read_the_pool() -> None:
+    """`blocks[i]` views block i's count and hash in the pool's lists: read
+    only, every id in order, negative ids from the end, none past it."""
+    from tinyengine.scheduling.block_pool import BlockPool
+
+    pool = BlockPool(4)
+    block_id = pool.pop_free()
+    pool.index(block_id, b"h")
+    view = pool.blocks[block_id]
+    assert (view.ref_count, view.block_hash) == (1, b"h")
+    pool.release(block_id)
+    assert (view.ref_count, view.block_hash) == (0, b"h")  # a view, not a copy
+    assert [b.block_id for b in pool.blocks] == [0, 1, 2, 3] and len(pool.blocks) == 4
+    assert pool.blocks[-1].block_id == 3
+    with pytest.raises(IndexError):
+        pool.blocks[4]
+    with pytest.raises(AttributeError):
+        view.ref_count = 5  # the pool's bookkeeping changes only through the pool
+
+
 def test_allocate_and_free_ref_counts() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     a = req("a", list(range(10)))

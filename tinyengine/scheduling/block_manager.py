@@ -44,7 +44,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from tinyengine.scheduling.block_pool import Block, BlockPool
+from tinyengine.scheduling.block_pool import Block, BlockPool, BlockViews
 from tinyengine.scheduling.request import Request
 
 __all__ = ["NULL_BLOCK", "Block", "BlockManager", "SlidingGroup", "hash_block"]
@@ -101,8 +101,8 @@ class BlockManager:
     # --- queries ---
 
     @property
-    def blocks(self) -> list[Block]:
-        """The full-history group's blocks."""
+    def blocks(self) -> BlockViews:
+        """The full-history group's blocks (views made on access)."""
         return self.pool.blocks
 
     @property
@@ -268,7 +268,7 @@ class BlockManager:
 
     def reset(self) -> None:
         """Forget everything (after warmup: no warmup block may ever serve a hit)."""
-        assert all(b.ref_count == 0 for b in self.blocks), "reset with blocks in use"
+        assert not any(self.pool.ref_counts), "reset with blocks in use"
         self.__init__(self.num_blocks, self.block_size, self.enable_prefix_caching, self.sliding)
 
     # --- internals ---

@@ -9,30 +9,64 @@ Allocating a new block evicts the queue's head and drops its hash.
 
 Which of a request's blocks a pool holds, and when they are released, is the
 block manager's rule (block_manager.py); a pool only counts.
+
+A pool keeps each block's reference count and hash in two plain lists,
+not an object per block: a large card holds millions of blocks (about 2 M
+for the V4-Flash proxy on an 80 GB card), and building a Python object for
+each took seconds of every startup. `blocks[i]` makes a read-only view of
+block i on access, for tests and debugging.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash")
+    """A read-only view of one block's bookkeeping in its pool."""
 
-    def __init__(self, block_id: int) -> None:
+    __slots__ = ("_pool", "block_id")
+
+    def __init__(self, pool: BlockPool, block_id: int) -> None:
+        self._pool = pool
         self.block_id = block_id
-        self.ref_count = 0
-        self.block_hash: bytes | None = None
+
+    @property
+    def ref_count(self) -> int:
+        return self._pool.ref_counts[self.block_id]
+
+    @property
+    def block_hash(self) -> bytes | None:
+        return self._pool.hashes[self.block_id]
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
 
 
+class BlockViews:
+    """The pool's blocks as a sequence of views, made on access."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks
+
+    def __getitem__(self, block_id: int) -> Block:
+        return Block(self._pool, range(self._pool.num_blocks)[block_id])
+
+    def __iter__(self) -> Iterator[Block]:
+        return (Block(self._pool, i) for i in range(self._pool.num_blocks))
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[bytes | None] = [None] * num_blocks
+        self.blocks = BlockViews(self)
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
 
     @property
@@ -41,48 +75,46 @@ class BlockPool:
 
     def num_touched_free(self, block_ids: list[int]) -> int:
         """How many of these (prefix-hit) blocks a touch takes out of the free queue."""
-        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+        return sum(1 for b in block_ids if self.ref_counts[b] == 0)
 
     def touch(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
+        if self.ref_counts[block_id] == 0:
             del self.free_queue[block_id]
-        block.ref_count += 1
+        self.ref_counts[block_id] += 1
 
     def pop_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:  # evict: its content is about to be overwritten
-            del self.cached[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
+        block_hash = self.hashes[block_id]
+        if block_hash is not None:  # evict: its content is about to be overwritten
+            del self.cached[block_hash]
+            self.hashes[block_id] = None
+        self.ref_counts[block_id] = 1
         return block_id
 
     def release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        assert block.ref_count >= 0, f"double free of block {block_id}"
-        if block.ref_count == 0:
+        ref_count = self.ref_counts[block_id] - 1
+        assert ref_count >= 0, f"double free of block {block_id}"
+        self.ref_counts[block_id] = ref_count
+        if ref_count == 0:
             self.free_queue[block_id] = None
-            if block.block_hash is None:
+            if self.hashes[block_id] is None:
                 self.free_queue.move_to_end(block_id, last=False)  # evict first
 
     def index(self, block_id: int, block_hash: bytes) -> None:
         """Make a full, computed block findable by its content hash. Another
         block may already hold the same content (two requests computed the
         same prefix in one step); the first indexed stays."""
-        block = self.blocks[block_id]
-        if block.block_hash is None and block_hash not in self.cached:
-            block.block_hash = block_hash
+        if self.hashes[block_id] is None and block_hash not in self.cached:
+            self.hashes[block_id] = block_hash
             self.cached[block_hash] = block_id
 
     def forget(self, block_id: int) -> None:
         """Drop a block's hash from the index (its content cannot be trusted);
         a later release puts it first in the free queue, like any uncached block."""
-        block = self.blocks[block_id]
-        if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = None
+        block_hash = self.hashes[block_id]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.hashes[block_id] = None
 
     def check(self, refs: list[int]) -> None:
         """Raise AssertionError unless the bookkeeping matches `refs` (the
@@ -94,4 +126,4 @@ class BlockPool:
             assert (block.ref_count == 0) == (block.block_id in self.free_queue), block
             if block.block_hash is not None:
                 assert self.cached[block.block_hash] == block.block_id, block
-        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
+        assert len(self.cached) == sum(h is not None for h in self.hashes)

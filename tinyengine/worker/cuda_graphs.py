@@ -41,7 +41,10 @@ class CudaGraphBackend:
     def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
         # Largest size first shares the pool best: smaller graphs fit in the
-        # blocks the largest one left behind.
+        # blocks the largest one left behind. `torch.cuda.graph` empties the
+        # allocator's cache before each capture, which is needed: memory the
+        # default pool caches cannot be freed while a capture runs, so a
+        # graph's allocation could fail beside gigabytes cached but unused.
         with torch.cuda.graph(graph, pool=self.pool):
             output = step()
         return graph, output
