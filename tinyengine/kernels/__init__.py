@@ -25,6 +25,15 @@ Must never import anything above tinyengine.kernels (models, worker, ...), and
 must not import triton at package import time.
 """
 
-from tinyengine.kernels.opset import BACKENDS, OpSet, choose_ops, torch_ops, triton_ops
+import os
+
+# Triton fuses multiplies and adds into FMAs unless told otherwise, and
+# announces (3.9) that from 3.10 it will not by default. The kernels' speed
+# and their tests' tolerances were set with fusion on, so this process keeps
+# it unless the user has chosen with TRITON_DEFAULT_FP_FUSION (read at each
+# compile, so this holds whenever triton is imported).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from tinyengine.kernels.opset import BACKENDS, OpSet, choose_ops, torch_ops, triton_ops  # noqa: E402
 
 __all__ = ["BACKENDS", "OpSet", "choose_ops", "torch_ops", "triton_ops"]
