@@ -46,7 +46,8 @@ def test_block_views_read_the_pool() -> None:
     pool.release(block_id)
     assert (view.ref_count, view.block_hash) == (0, b"h")  # a view, not a copy
     assert [b.block_id for b in pool.blocks] == [0, 1, 2, 3] and len(pool.blocks) == 4
-    assert pool.blocks[-1].block_id == 3
+    assert pool.blocks[-1].block_id == 3 and pool.blocks[-1] == pool.blocks[3]
+    assert [b.block_id for b in pool.blocks[1:3]] == [1, 2]
     with pytest.raises(IndexError):
         pool.blocks[4]
     with pytest.raises(AttributeError):

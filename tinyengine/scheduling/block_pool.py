@@ -20,7 +20,8 @@ block i on access, for tests and debugging.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 
 class Block:
@@ -40,12 +41,23 @@ class Block:
     def block_hash(self) -> bytes | None:
         return self._pool.hashes[self.block_id]
 
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Block)
+            and other._pool is self._pool
+            and other.block_id == self.block_id
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self._pool), self.block_id))
+
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
 
 
-class BlockViews:
-    """The pool's blocks as a sequence of views, made on access."""
+class BlockViews(Sequence[Block]):
+    """The pool's blocks as a sequence of views, made on access (indexes and
+    slices as a list's)."""
 
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
@@ -53,8 +65,15 @@ class BlockViews:
     def __len__(self) -> int:
         return self._pool.num_blocks
 
-    def __getitem__(self, block_id: int) -> Block:
-        return Block(self._pool, range(self._pool.num_blocks)[block_id])
+    @overload
+    def __getitem__(self, index: int) -> Block: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Block]: ...
+    def __getitem__(self, index: int | slice) -> Block | list[Block]:
+        ids = range(self._pool.num_blocks)[index]
+        if isinstance(ids, range):
+            return [Block(self._pool, i) for i in ids]
+        return Block(self._pool, ids)
 
     def __iter__(self) -> Iterator[Block]:
         return (Block(self._pool, i) for i in range(self._pool.num_blocks))
