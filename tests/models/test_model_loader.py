@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,71 @@ def test_registry() -> None:
         get_model_class({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="no 'architectures'"):
         get_model_class({})
+
+
+# --- reading on threads -----------------------------------------------------
+
+
+def test_threads_load_what_one_thread_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_tiny_hf_model("qwen3", tmp_path, max_shard_size="40KB")
+    names: set[str] = set()
+    real_load_piece = loader._load_piece
+
+    def recording(*args, **kwargs) -> None:
+        names.add(threading.current_thread().name)
+        real_load_piece(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "_load_piece", recording)
+    threaded = load_tiny(path).state_dict()
+    assert len(names) > 1 and all(n.startswith("load-weights") for n in names)
+
+    monkeypatch.setattr(loader, "_LOAD_THREADS", 1)
+    names.clear()
+    single = load_tiny(path).state_dict()
+    assert len(names) == 1
+    assert threaded.keys() == single.keys()
+    assert all(torch.equal(threaded[name], single[name]) for name in single)
+
+
+def test_load_under_inference_mode(tmp_path: Path) -> None:
+    # The worker threads must copy in the caller's mode: parameters built
+    # under inference mode refuse in-place copies from outside it.
+    path = make_tiny_hf_model("llama", tmp_path)
+    reference = load_tiny(path).state_dict()
+    with torch.inference_mode():
+        model = load_tiny(path)
+    assert all(p.is_inference() for p in model.parameters())
+    loaded = model.state_dict()
+    assert all(torch.equal(reference[name], loaded[name]) for name in reference)
+
+
+def test_an_error_on_a_thread_stops_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_tiny_hf_model("llama", tmp_path, max_shard_size="40KB")
+    started: list[str] = []
+    real_load_piece = loader._load_piece
+
+    def failing(folder, file, entries, params) -> None:
+        started.append(file)
+        if len(started) == 1:
+            raise RuntimeError("disk read failed")
+        real_load_piece(folder, file, entries, params)
+
+    monkeypatch.setattr(loader, "_LOAD_THREADS", 1)
+    monkeypatch.setattr(loader, "_load_piece", failing)
+    with pytest.raises(RuntimeError, match="disk read failed"):
+        load_tiny(path)
+    # One thread: the pieces queued behind the failed one never ran.
+    assert len(started) == 1
+
+
+@pytest.mark.gpu
+def test_threads_load_onto_the_gpu_what_the_cpu_loads(tmp_path: Path) -> None:
+    path = make_tiny_hf_model("qwen3", tmp_path, max_shard_size="40KB")
+    on_cpu = load_tiny(path).state_dict()
+    on_gpu = load_tiny(path, device="cuda").state_dict()
+    assert all(on_gpu[name].is_cuda for name in on_gpu)
+    assert all(torch.equal(on_cpu[name], on_gpu[name].cpu()) for name in on_cpu)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,13 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # HF once saved RoPE's inverse frequencies as buffers; we compute our own.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _MAX_NAMES_SHOWN = 10
+# Reading a checkpoint is page-cache copies and host-to-device copies, both
+# of which release the GIL; one thread reaches a fraction of either's
+# bandwidth. Eight threads on their own CUDA streams overlap them.
+_LOAD_THREADS = 8
+# Each file's tensors go out in this many times _LOAD_THREADS pieces, so a
+# thread that drew small tensors picks up more work.
+_PIECES_PER_THREAD = 4
 
 
 def load_hf_config(model_path: str, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -193,22 +202,77 @@ def load_weights(
             "the download is incomplete, fetch the missing shards"
         )
 
-    for file, entries in sorted(plan.items()):
-        # Only files holding a kept tensor are opened at all.
-        with safe_open(str(folder / file), framework="pt", device="cpu") as handle:
-            for ckpt_name, param_name, shard_id in entries:
-                param = params[param_name]
-                weight_loader = getattr(param, "weight_loader", default_weight_loader)
-                # A tensor-parallel rank's parameter takes the lazy slice and
-                # reads only its part; the others take the whole tensor.
-                if getattr(param, "reads_part", False):
-                    loaded = handle.get_slice(ckpt_name)
-                else:
-                    loaded = handle.get_tensor(ckpt_name)
-                try:
-                    weight_loader(param, loaded, shard_id)
-                except ValueError as err:
-                    raise ValueError(f"cannot load {ckpt_name!r} from {file}: {err}") from None
+    pieces = [
+        (file, piece)
+        for file, entries in sorted(plan.items())
+        for piece in _split(entries, _LOAD_THREADS * _PIECES_PER_THREAD)
+    ]
+    device = next((p.device for p in params.values() if p.is_cuda), None)
+    _run_on_threads(lambda file, piece: _load_piece(folder, file, piece, params), pieces, device)
+
+
+def _load_piece(
+    folder: Path, file: str, entries: list[tuple[str, str, Any]], params: dict[str, nn.Parameter]
+) -> None:
+    """Copy one piece of one file's tensors into their parameters."""
+    # Only files holding a kept tensor are opened at all.
+    with safe_open(str(folder / file), framework="pt", device="cpu") as handle:
+        for ckpt_name, param_name, shard_id in entries:
+            param = params[param_name]
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            # A tensor-parallel rank's parameter takes the lazy slice and
+            # reads only its part; the others take the whole tensor.
+            if getattr(param, "reads_part", False):
+                loaded = handle.get_slice(ckpt_name)
+            else:
+                loaded = handle.get_tensor(ckpt_name)
+            try:
+                weight_loader(param, loaded, shard_id)
+            except ValueError as err:
+                raise ValueError(f"cannot load {ckpt_name!r} from {file}: {err}") from None
+
+
+def _run_on_threads(
+    work: Any, pieces: list[tuple[str, list[tuple[str, str, Any]]]], device: torch.device | None
+) -> None:
+    """work(*piece) for every piece on _LOAD_THREADS threads, copying to the
+    CUDA `device` (None: the parameters are on the CPU); the first error is
+    raised once the pieces already running have stopped."""
+    # Inference mode and the current CUDA device are per thread: each worker
+    # takes the caller's mode, or in-place copies into parameters made under
+    # inference mode are refused.
+    inference = torch.is_inference_mode_enabled()
+    failed = threading.Event()  # once set, pieces not started yet are dropped
+
+    def run(piece: tuple[str, list[tuple[str, str, Any]]]) -> None:
+        if failed.is_set():
+            return
+        try:
+            with torch.inference_mode(inference):
+                if device is None:
+                    work(*piece)
+                    return
+                torch.cuda.set_device(device)
+                # A stream per piece: the copies of different threads overlap
+                # instead of queueing on the default stream.
+                stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):
+                    work(*piece)
+                stream.synchronize()
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="load-weights") as pool:
+        futures = [pool.submit(run, piece) for piece in pieces]
+    for future in futures:  # all have finished: the pool's exit waits for them
+        future.result()
+
+
+def _split(entries: list[Any], pieces: int) -> list[list[Any]]:
+    """`entries` in at most `pieces` runs of consecutive items, in order."""
+    size = -(-len(entries) // pieces)
+    return [entries[i : i + size] for i in range(0, len(entries), size)]
 
 
 def _skipped(ckpt_name: str, num_hidden_layers: int, tied: bool) -> bool:
