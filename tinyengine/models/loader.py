@@ -265,6 +265,10 @@ def _run_on_threads(
 
     with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="load-weights") as pool:
         futures = [pool.submit(run, piece) for piece in pieces]
+    if device is not None:
+        # Temporaries of a copy (a dtype cast on the device) were cached for
+        # their side stream, where only that stream can reuse them.
+        torch.cuda.empty_cache()
     for future in futures:  # all have finished: the pool's exit waits for them
         future.result()
 
