@@ -61,6 +61,10 @@ class EngineConfig:
     # models/dummy_weights.py), or "auto": safetensors, unless the folder is
     # a dummy-weight preset.
     load_format: str = "auto"
+    # Threads that read the safetensors (models/loader.py), each copying to
+    # the GPU on its own stream (vLLM's and SGLang's multithread load); 1
+    # reads one tensor after another.
+    load_threads: int = 8
     # Decode batch sizes to capture as CUDA graphs; None: 1, 2, 4, 8, then
     # every 8 up to max_num_seqs.
     cuda_graph_sizes: list[int] | None = None
@@ -156,7 +160,7 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             raise bad("attention_backend", f"must be one of {_BACKENDS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size"):  # fmt: skip
+                     "tensor_parallel_size", "load_threads"):  # fmt: skip
             value = getattr(self, name)
             optional = value is None
             if not optional and (

@@ -22,6 +22,8 @@ def test_vllm_options_run_unchanged_at_their_one_meaningful_value():
     "kwargs,words",
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+        ({"load_threads": 0}, "load_threads must be a positive integer"),
+        ({"load_threads": True}, "load_threads must be a positive integer"),
         ({"tensor_parallel_size": 2, "batch_invariant": True}, "not available with tensor_par"),
         ({"enable_expert_parallel": "on"}, "enable_expert_parallel must be True or False"),
         ({"pipeline_parallel_size": 4}, "pipeline_parallel_size: tinyengine has no pipeline"),

@@ -271,6 +271,11 @@ def test_registry() -> None:
 # --- reading on threads -----------------------------------------------------
 
 
+def _load(path: Path, threads: int) -> torch.nn.Module:
+    hf_config = load_hf_config(str(path))
+    return loader.load_model(str(path), hf_config, torch.float32, "cpu", threads=threads)
+
+
 def test_threads_load_what_one_thread_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -286,9 +291,8 @@ def test_threads_load_what_one_thread_loads(
     threaded = load_tiny(path).state_dict()
     assert len(names) > 1 and all(n.startswith("load-weights") for n in names)
 
-    monkeypatch.setattr(loader, "_LOAD_THREADS", 1)
     names.clear()
-    single = load_tiny(path).state_dict()
+    single = _load(path, threads=1).state_dict()
     assert len(names) == 1
     assert threaded.keys() == single.keys()
     assert all(torch.equal(threaded[name], single[name]) for name in single)
@@ -319,12 +323,33 @@ def test_an_error_on_a_thread_stops_the_load(
             raise RuntimeError("disk read failed")
         real_load_piece(folder, file, entries, params)
 
-    monkeypatch.setattr(loader, "_LOAD_THREADS", 1)
     monkeypatch.setattr(loader, "_load_piece", failing)
     with pytest.raises(RuntimeError, match="disk read failed"):
-        load_tiny(path)
+        _load(path, threads=1)
     # One thread: the pieces queued behind the failed one never ran.
     assert len(started) == 1
+
+
+def test_engine_reads_on_its_configured_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tinyengine.llm import LLM
+
+    path = make_tiny_hf_model("llama", tmp_path)
+    names: set[str] = set()
+    real_load_piece = loader._load_piece
+
+    def recording(*args, **kwargs) -> None:
+        names.add(threading.current_thread().name)
+        real_load_piece(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "_load_piece", recording)
+    kwargs = {"dtype": "float32", "max_model_len": 64, "print_startup_report": False}
+    LLM(str(path), load_threads=1, **kwargs).shutdown()
+    assert len(names) == 1
+    names.clear()
+    LLM(str(path), load_threads=3, **kwargs).shutdown()
+    assert 1 < len(names) <= 3
 
 
 @pytest.mark.gpu

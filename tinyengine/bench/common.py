@@ -82,7 +82,7 @@ _ENGINE_FLAGS = (
     "num_kv_blocks", "block_size", "gpu_memory_utilization", "attention_backend",
     "cuda_graph_sizes", "graph_backend", "cudagraph_mode", "piecewise_graph_sizes",
     "enforce_eager", "enable_prefix_caching", "seed",
-    "batch_invariant", "tensor_parallel_size", "enable_expert_parallel",
+    "batch_invariant", "tensor_parallel_size", "enable_expert_parallel", "load_threads",
 )  # fmt: skip
 
 
@@ -154,6 +154,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, doc: str | None) -> No
         help="batch-invariant mode (docs/batch_invariance.md)",
     )
     g.add_argument("--tensor-parallel-size", type=positive_int, help="ranks (one GPU each)")
+    g.add_argument("--load-threads", type=positive_int, help="threads reading the checkpoint")
     g.add_argument(
         "--enable-expert-parallel",
         action="store_true",

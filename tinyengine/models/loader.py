@@ -34,11 +34,7 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # HF once saved RoPE's inverse frequencies as buffers; we compute our own.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _MAX_NAMES_SHOWN = 10
-# Reading a checkpoint is page-cache copies and host-to-device copies, both
-# of which release the GIL; one thread reaches a fraction of either's
-# bandwidth. Eight threads on their own CUDA streams overlap them.
-_LOAD_THREADS = 8
-# Each file's tensors go out in this many times _LOAD_THREADS pieces, so a
+# Each file's tensors go out in this many times `threads` pieces, so a
 # thread that drew small tensors picks up more work.
 _PIECES_PER_THREAD = 4
 
@@ -79,6 +75,7 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     expert_parallel: bool = False,
+    threads: int = 8,
 ) -> nn.Module:
     """Build the model named by hf_config["architectures"][0] directly on
     `device` in `dtype` and fill every parameter: from the checkpoint
@@ -88,7 +85,8 @@ def load_model(
     of a tensor-parallel model (its layers keep their slices of each tensor).
     expert_parallel (vLLM's enable_expert_parallel): the MoE layers' routed
     experts split whole over those tp_size ranks instead of each expert's
-    features; only classes with `supports_expert_parallel` take it."""
+    features; only classes with `supports_expert_parallel` take it.
+    threads: how many threads read the checkpoint (load_weights)."""
     folder = Path(model_path)
     model_cls = get_model_class(hf_config)
     if expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
@@ -111,7 +109,10 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, float(hf_config.get("initializer_range") or 0.02))
     else:
-        load_weights(model, folder, weight_map, num_hidden_layers=hf_config["num_hidden_layers"])
+        load_weights(
+            model, folder, weight_map, num_hidden_layers=hf_config["num_hidden_layers"],
+            threads=threads,
+        )  # fmt: skip
     return model.eval()
 
 
@@ -151,9 +152,15 @@ def load_weights(
     weight_map: dict[str, str],
     *,
     num_hidden_layers: int,
+    threads: int = 8,
 ) -> None:
     """Copy checkpoint tensors into `model`'s parameters, checking that every
-    parameter (every shard of a fused one) is filled exactly by the checkpoint."""
+    parameter (every shard of a fused one) is filled exactly by the checkpoint.
+
+    The copies run on `threads` threads. Reading is page-cache copies and
+    host-to-device copies, both outside the GIL, and one thread reaches a
+    fraction of either's bandwidth; on a GPU each thread copies on its own
+    stream so that the copies overlap."""
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     # A model may route some names itself (e.g. per-expert tensors into stacked
     # expert weights); it returns None for the names it leaves to `packed`.
@@ -205,10 +212,12 @@ def load_weights(
     pieces = [
         (file, piece)
         for file, entries in sorted(plan.items())
-        for piece in _split(entries, _LOAD_THREADS * _PIECES_PER_THREAD)
+        for piece in _split(entries, threads * _PIECES_PER_THREAD)
     ]
     device = next((p.device for p in params.values() if p.is_cuda), None)
-    _run_on_threads(lambda file, piece: _load_piece(folder, file, piece, params), pieces, device)
+    _run_on_threads(
+        lambda file, piece: _load_piece(folder, file, piece, params), pieces, threads, device
+    )
 
 
 def _load_piece(
@@ -233,9 +242,12 @@ def _load_piece(
 
 
 def _run_on_threads(
-    work: Any, pieces: list[tuple[str, list[tuple[str, str, Any]]]], device: torch.device | None
+    work: Any,
+    pieces: list[tuple[str, list[tuple[str, str, Any]]]],
+    threads: int,
+    device: torch.device | None,
 ) -> None:
-    """work(*piece) for every piece on _LOAD_THREADS threads, copying to the
+    """work(*piece) for every piece on `threads` threads, copying to the
     CUDA `device` (None: the parameters are on the CPU); the first error is
     raised once the pieces already running have stopped."""
     # Inference mode and the current CUDA device are per thread: each worker
@@ -263,7 +275,7 @@ def _run_on_threads(
             failed.set()
             raise
 
-    with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="load-weights") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="load-weights") as pool:
         futures = [pool.submit(run, piece) for piece in pieces]
     if device is not None:
         # Temporaries of a copy (a dtype cast on the device) were cached for

@@ -115,6 +115,7 @@ class ModelRunner:
         self.model = load_model(
             self.config.model, self.hf_config, self.dtype, self.device, self.config.load_format,
             tp_rank=tp.rank, tp_size=tp.size, expert_parallel=self.config.enable_expert_parallel,
+            threads=self.config.load_threads,
         )  # fmt: skip
         for module in self.model.modules():  # max_model_len may pass the model's positions
             if isinstance(module, RopeCache):
