@@ -276,10 +276,9 @@ def _load(path: Path, threads: int) -> torch.nn.Module:
     return loader.load_model(str(path), hf_config, torch.float32, "cpu", threads=threads)
 
 
-def test_threads_load_what_one_thread_loads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = make_tiny_hf_model("qwen3", tmp_path, max_shard_size="40KB")
+@pytest.fixture
+def reader_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the threads that ran the loader's pieces."""
     names: set[str] = set()
     real_load_piece = loader._load_piece
 
@@ -288,6 +287,12 @@ def test_threads_load_what_one_thread_loads(
         real_load_piece(*args, **kwargs)
 
     monkeypatch.setattr(loader, "_load_piece", recording)
+    return names
+
+
+def test_threads_load_what_one_thread_loads(tmp_path: Path, reader_threads: set[str]) -> None:
+    names = reader_threads
+    path = make_tiny_hf_model("qwen3", tmp_path, max_shard_size="40KB")
     threaded = load_tiny(path).state_dict()
     assert len(names) > 1 and all(n.startswith("load-weights") for n in names)
 
@@ -330,20 +335,11 @@ def test_an_error_on_a_thread_stops_the_load(
     assert len(started) == 1
 
 
-def test_engine_reads_on_its_configured_threads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_engine_reads_on_its_configured_threads(tmp_path: Path, reader_threads: set[str]) -> None:
     from tinyengine.llm import LLM
 
+    names = reader_threads
     path = make_tiny_hf_model("llama", tmp_path)
-    names: set[str] = set()
-    real_load_piece = loader._load_piece
-
-    def recording(*args, **kwargs) -> None:
-        names.add(threading.current_thread().name)
-        real_load_piece(*args, **kwargs)
-
-    monkeypatch.setattr(loader, "_load_piece", recording)
     kwargs = {"dtype": "float32", "max_model_len": 64, "print_startup_report": False}
     LLM(str(path), load_threads=1, **kwargs).shutdown()
     assert len(names) == 1
