@@ -271,9 +271,9 @@ def test_registry() -> None:
 # --- reading on threads -----------------------------------------------------
 
 
-def _load(path: Path, threads: int) -> torch.nn.Module:
+def _load(path: Path, threads: int, device: str = "cpu") -> torch.nn.Module:
     hf_config = load_hf_config(str(path))
-    return loader.load_model(str(path), hf_config, torch.float32, "cpu", threads=threads)
+    return loader.load_model(str(path), hf_config, torch.float32, device, threads=threads)
 
 
 @pytest.fixture
@@ -293,7 +293,7 @@ def reader_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
 def test_threads_load_what_one_thread_loads(tmp_path: Path, reader_threads: set[str]) -> None:
     names = reader_threads
     path = make_tiny_hf_model("qwen3", tmp_path, max_shard_size="40KB")
-    threaded = load_tiny(path).state_dict()
+    threaded = _load(path, threads=8).state_dict()
     assert len(names) > 1 and all(n.startswith("load-weights") for n in names)
 
     names.clear()
@@ -309,7 +309,7 @@ def test_load_under_inference_mode(tmp_path: Path) -> None:
     path = make_tiny_hf_model("llama", tmp_path)
     reference = load_tiny(path).state_dict()
     with torch.inference_mode():
-        model = load_tiny(path)
+        model = _load(path, threads=8)
     assert all(p.is_inference() for p in model.parameters())
     loaded = model.state_dict()
     assert all(torch.equal(reference[name], loaded[name]) for name in reference)
@@ -352,6 +352,6 @@ def test_engine_reads_on_its_configured_threads(tmp_path: Path, reader_threads: 
 def test_threads_load_onto_the_gpu_what_the_cpu_loads(tmp_path: Path) -> None:
     path = make_tiny_hf_model("qwen3", tmp_path, max_shard_size="40KB")
     on_cpu = load_tiny(path).state_dict()
-    on_gpu = load_tiny(path, device="cuda").state_dict()
+    on_gpu = _load(path, threads=8, device="cuda").state_dict()
     assert all(on_gpu[name].is_cuda for name in on_gpu)
     assert all(torch.equal(on_cpu[name], on_gpu[name].cpu()) for name in on_cpu)

@@ -75,7 +75,7 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     expert_parallel: bool = False,
-    threads: int = 8,
+    threads: int = 1,
 ) -> nn.Module:
     """Build the model named by hf_config["architectures"][0] directly on
     `device` in `dtype` and fill every parameter: from the checkpoint
@@ -86,7 +86,8 @@ def load_model(
     expert_parallel (vLLM's enable_expert_parallel): the MoE layers' routed
     experts split whole over those tp_size ranks instead of each expert's
     features; only classes with `supports_expert_parallel` take it.
-    threads: how many threads read the checkpoint (load_weights)."""
+    threads: how many threads read the checkpoint (load_weights; the
+    engine passes EngineConfig.load_threads)."""
     folder = Path(model_path)
     model_cls = get_model_class(hf_config)
     if expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
@@ -152,7 +153,7 @@ def load_weights(
     weight_map: dict[str, str],
     *,
     num_hidden_layers: int,
-    threads: int = 8,
+    threads: int,
 ) -> None:
     """Copy checkpoint tensors into `model`'s parameters, checking that every
     parameter (every shard of a fused one) is filled exactly by the checkpoint.
