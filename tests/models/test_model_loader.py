@@ -322,11 +322,11 @@ def test_an_error_on_a_thread_stops_the_load(
     started: list[str] = []
     real_load_piece = loader._load_piece
 
-    def failing(folder, file, entries, params) -> None:
-        started.append(file)
+    def failing(path, *args) -> None:
+        started.append(path)
         if len(started) == 1:
             raise RuntimeError("disk read failed")
-        real_load_piece(folder, file, entries, params)
+        real_load_piece(path, *args)
 
     monkeypatch.setattr(loader, "_load_piece", failing)
     with pytest.raises(RuntimeError, match="disk read failed"):

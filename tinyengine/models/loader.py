@@ -12,6 +12,8 @@ run arbitrary code, so `*.bin` / `*.pt` folders are refused.
 from __future__ import annotations
 
 import json
+import os
+import queue
 import re
 import threading
 from collections.abc import Iterator
@@ -26,6 +28,12 @@ from torch import nn
 
 from tinyengine.models.dummy_weights import DUMMY_MARKER, init_dummy_weights
 from tinyengine.models.parallel_layers import default_weight_loader
+from tinyengine.models.pinned_reader import (
+    StagingBuffers,
+    TensorEntry,
+    read_header,
+    read_to_device,
+)
 from tinyengine.models.registry import get_model_class
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -160,8 +168,9 @@ def load_weights(
 
     The copies run on `threads` threads. Reading is page-cache copies and
     host-to-device copies, both outside the GIL, and one thread reaches a
-    fraction of either's bandwidth; on a GPU each thread copies on its own
-    stream so that the copies overlap."""
+    fraction of either's bandwidth. On a GPU, whole tensors go through
+    pinned staging buffers (models/pinned_reader.py) and each thread copies
+    on its own stream, so that the reads and copies overlap."""
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     # A model may route some names itself (e.g. per-expert tensors into stacked
     # expert weights); it returns None for the names it leaves to `packed`.
@@ -216,30 +225,45 @@ def load_weights(
         for piece in _split(entries, threads * _PIECES_PER_THREAD)
     ]
     device = next((p.device for p in params.values() if p.is_cuda), None)
-    _run_on_threads(
-        lambda file, piece: _load_piece(folder, file, piece, params), pieces, threads, device
-    )
+    headers = {file: read_header(folder / file) for file in plan} if device is not None else {}
+
+    def work(file: str, piece: list[Any], staging: StagingBuffers | None) -> None:
+        _load_piece(folder / file, piece, params, headers.get(file, {}), staging)
+
+    _run_on_threads(work, pieces, threads, device)
 
 
 def _load_piece(
-    folder: Path, file: str, entries: list[tuple[str, str, Any]], params: dict[str, nn.Parameter]
+    path: Path,
+    entries: list[tuple[str, str, Any]],
+    params: dict[str, nn.Parameter],
+    header: dict[str, TensorEntry],
+    staging: StagingBuffers | None,
 ) -> None:
-    """Copy one piece of one file's tensors into their parameters."""
+    """Copy one piece of one file's tensors into their parameters; through
+    `staging` where given (a CUDA load) for the tensors `header` maps."""
     # Only files holding a kept tensor are opened at all.
-    with safe_open(str(folder / file), framework="pt", device="cpu") as handle:
-        for ckpt_name, param_name, shard_id in entries:
-            param = params[param_name]
-            weight_loader = getattr(param, "weight_loader", default_weight_loader)
-            # A tensor-parallel rank's parameter takes the lazy slice and
-            # reads only its part; the others take the whole tensor.
-            if getattr(param, "reads_part", False):
-                loaded = handle.get_slice(ckpt_name)
-            else:
-                loaded = handle.get_tensor(ckpt_name)
-            try:
-                weight_loader(param, loaded, shard_id)
-            except ValueError as err:
-                raise ValueError(f"cannot load {ckpt_name!r} from {file}: {err}") from None
+    fd = os.open(path, os.O_RDONLY) if staging is not None else -1
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for ckpt_name, param_name, shard_id in entries:
+                param = params[param_name]
+                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                # A tensor-parallel rank's parameter takes the lazy slice and
+                # reads only its part; the others take the whole tensor.
+                if getattr(param, "reads_part", False):
+                    loaded = handle.get_slice(ckpt_name)
+                elif staging is not None and ckpt_name in header:
+                    loaded = read_to_device(fd, header[ckpt_name], param.device, staging)
+                else:
+                    loaded = handle.get_tensor(ckpt_name)
+                try:
+                    weight_loader(param, loaded, shard_id)
+                except ValueError as err:
+                    raise ValueError(f"cannot load {ckpt_name!r} from {path.name}: {err}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _run_on_threads(
@@ -248,14 +272,21 @@ def _run_on_threads(
     threads: int,
     device: torch.device | None,
 ) -> None:
-    """work(*piece) for every piece on `threads` threads, copying to the
-    CUDA `device` (None: the parameters are on the CPU); the first error is
+    """work(file, entries, staging) for every piece on `threads` threads,
+    copying to the CUDA `device` through a thread's staging buffers (None:
+    the parameters are on the CPU, and staging is None); the first error is
     raised once the pieces already running have stopped."""
     # Inference mode and the current CUDA device are per thread: each worker
     # takes the caller's mode, or in-place copies into parameters made under
     # inference mode are refused.
     inference = torch.is_inference_mode_enabled()
     failed = threading.Event()  # once set, pieces not started yet are dropped
+    # One set of staging buffers per running piece, handed back once its
+    # copies are done.
+    staging: queue.SimpleQueue[StagingBuffers] = queue.SimpleQueue()
+    if device is not None:
+        for _ in range(min(threads, len(pieces))):
+            staging.put(StagingBuffers(device))
 
     def run(piece: tuple[str, list[tuple[str, str, Any]]]) -> None:
         if failed.is_set():
@@ -263,15 +294,19 @@ def _run_on_threads(
         try:
             with torch.inference_mode(inference):
                 if device is None:
-                    work(*piece)
+                    work(*piece, None)
                     return
                 torch.cuda.set_device(device)
                 # A stream per piece: the copies of different threads overlap
                 # instead of queueing on the default stream.
                 stream = torch.cuda.Stream(device)
-                with torch.cuda.stream(stream):
-                    work(*piece)
-                stream.synchronize()
+                buffers = staging.get()
+                try:
+                    with torch.cuda.stream(stream):
+                        work(*piece, buffers)
+                finally:
+                    stream.synchronize()
+                    staging.put(buffers)
         except BaseException:
             failed.set()
             raise
@@ -279,9 +314,15 @@ def _run_on_threads(
     with ThreadPoolExecutor(threads, thread_name_prefix="load-weights") as pool:
         futures = [pool.submit(run, piece) for piece in pieces]
     if device is not None:
-        # Temporaries of a copy (a dtype cast on the device) were cached for
-        # their side stream, where only that stream can reuse them.
+        # Temporaries of a copy (the device-side tensors, a dtype cast) were
+        # cached for their side stream, where only that stream can reuse
+        # them; the pinned staging buffers go back to the host.
+        while not staging.empty():
+            staging.get()
         torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
     for future in futures:  # all have finished: the pool's exit waits for them
         future.result()
 
