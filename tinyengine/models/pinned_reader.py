@@ -117,8 +117,8 @@ def read_to_device(
     for i, start in enumerate(range(0, entry.nbytes, chunk_bytes)):
         k = i % 2
         if staging.copied is not None:
-            # The chunk's last copy has read it (an event never recorded
-            # counts as complete).
+            # Wait for the copy that last read this chunk (an event never
+            # recorded counts as complete).
             staging.copied[k].synchronize()
         n = min(chunk_bytes, entry.nbytes - start)
         _pread_exactly(fd, staging.views[k][:n], entry.offset + start)
