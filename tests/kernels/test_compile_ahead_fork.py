@@ -65,8 +65,11 @@ def test_an_unreadable_compile_is_not_taken_for_cached():
     assert not ca._cached(object(), target=None, options={})
 
 
-def test_a_stuck_child_is_killed(monkeypatch):
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polling"])
+def test_a_stuck_child_is_killed(monkeypatch, pidfd):
     monkeypatch.setattr(ca, "CHILD_TIMEOUT_S", 0.3)
+    if not pidfd:  # an OS without pidfds: the wait polls
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
     parent = os.getpid()
 
     def compile_fn():

@@ -1,17 +1,19 @@
-"""Precompile (worker/precompile.py, kernels/compile_ahead.py): profile's dry
-run of the startup's dummy forwards, whose Triton kernels compile in parallel
-threads instead of running.
+"""Precompile (worker/precompile.py, kernels/compile_ahead.py): the dry run
+of the startup's dummy forwards, whose Triton kernels compile in parallel
+threads instead of running; load starts it before reading the weights and
+profile waits for it.
 
 On the GPU, each architecture in a fresh process with an empty Triton cache:
-  * every variant compiles in profile (the dry run hands them all to the
-    pool): warmup, capture and serving compile none;
+  * every variant compiles in load or profile (the dry run hands them all
+    to the pool): warmup, capture and serving compile none;
   * the dry run leaves nothing behind: greedy tokens and logprobs equal those
     of an engine started with compile_threads=0 (each variant compiled at its
     first launch, nothing run dry).
   * the pool also loads each variant and builds its host launcher, which
     Triton otherwise does at the variant's first real launch.
-On the CPU: the setting's validation and resolution, and that nothing runs
-dry off the GPU.
+On the CPU: the setting's validation and resolution, that nothing runs
+dry off the GPU, and where in load and profile the compiles start, end or
+are cancelled.
 """
 
 from __future__ import annotations
@@ -43,16 +45,70 @@ def test_compile_threads_setting():
 
 def test_nothing_runs_dry_on_cpu(tmp_path, monkeypatch):
     """Off the GPU Triton compiles nothing: profile never enters the dry run."""
-    import tinyengine.kernels.compile_ahead as compile_ahead
+    import tinyengine.worker.precompile as precompile
 
     def refuse(threads):
-        raise AssertionError("compile_ahead entered on a CPU")
+        raise AssertionError("a compile pool was made on a CPU")
 
-    monkeypatch.setattr(compile_ahead, "compile_ahead", refuse)
+    monkeypatch.setattr(precompile, "AheadCompiles", refuse)
     path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", num_hidden_layers=1)
     llm = LLM(str(path), max_model_len=64, max_num_seqs=2, compile_threads=4,
               print_startup_report=False)  # fmt: skip
     assert llm.startup_report().stages
+
+
+class _Compiles:
+    """Stands in for the dry run's pending compiles (kernels/compile_ahead.py)."""
+
+    def __init__(self, runner):
+        params = list(runner.model.parameters())
+        self.saw_zeros = all(not p.any() for p in params)
+        self.finished = self.cancelled = 0
+
+    def finish(self):
+        self.finished += 1
+        return 0
+
+    def cancel(self):
+        self.cancelled += 1
+
+
+def _fake_dry_run(monkeypatch):
+    import tinyengine.worker.stages as stages
+
+    made = []
+    monkeypatch.setattr(stages, "start_precompile", lambda runner: made.append(_Compiles(runner))
+                        or made[-1])  # fmt: skip
+    return made
+
+
+def test_the_dry_run_starts_before_the_weights_and_profile_waits(tmp_path, monkeypatch):
+    """load starts the dry run's compiles between building the model (whose
+    parameters are zeros then, so integer tables index in range) and
+    reading its weights; profile waits for them before its forwards."""
+    made = _fake_dry_run(monkeypatch)
+    path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", num_hidden_layers=1)
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=2, print_startup_report=False)
+    (compiles,) = made
+    assert compiles.saw_zeros and compiles.finished == 1 and compiles.cancelled == 0
+    model = llm.engine.runner.model
+    assert all(p.any() for name, p in model.named_parameters() if "norm" not in name)
+
+
+def test_a_load_that_fails_cancels_the_compiles(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    made = _fake_dry_run(monkeypatch)
+    path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", num_hidden_layers=1)
+    (weights,) = path.glob("*.safetensors")
+    tensors = load_file(weights)
+    lost = next(name for name in tensors if "down_proj" in name)
+    del tensors[lost]
+    save_file(tensors, weights)
+    with pytest.raises(Exception, match="lacks 1 tensor"):
+        LLM(str(path), max_model_len=64, max_num_seqs=2, print_startup_report=False)
+    (compiles,) = made
+    assert compiles.cancelled == 1 and compiles.finished == 0
 
 
 _STARTUP = """
@@ -144,7 +200,7 @@ def test_wide_offset_variants_are_compiled_when_the_cache_may_need_them(tmp_path
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-wide", "deepseek-v3", "deepseek-v4"])
-def test_gpu_precompile_compiles_everything_in_profile(tmp_path, arch):
+def test_gpu_precompile_compiles_everything_before_warmup(tmp_path, arch):
     # qwen3-wide: a KV cache past int32 offsets in a layer (2.2M blocks of
     # 16 x 2 heads x (16 + 16), 18 GB), whose attention variants profile's
     # one-block cache never meets: the dry run's second pass compiles them.
@@ -158,7 +214,8 @@ def test_gpu_precompile_compiles_everything_in_profile(tmp_path, arch):
                             layer_types=["sliding_attention", "compressed_sparse_attention",
                                          "heavily_compressed_attention"])  # fmt: skip
     dry = _start(path, 8, tmp_path / "cache_dry", blocks)
-    assert dry["kernels"]["profile"] > 0
+    # The dry run's compiles start in load and profile waits for them.
+    assert dry["kernels"]["load"] + dry["kernels"]["profile"] > 0
     assert dry["kernels"]["warmup"] == 0 and dry["kernels"]["capture"] == 0, dry["kernels"]
     assert dry["after_ready"] == 0
     plain = _start(path, 0, tmp_path / "cache_plain", blocks)

@@ -3,9 +3,11 @@ forwards that need them run.
 
 Triton compiles a kernel variant at its first launch, on the launching
 thread, so a startup on an empty Triton cache meets its ~16 variants one
-after another, ~1 s each. Inside `compile_ahead(threads)` a Triton launch
-does not run: it becomes Triton's compile-only launch (`warmup=True`) on a
-thread pool, and leaving the block waits for every compile. Each compiled
+after another, ~1 s each. Inside an `AheadCompiles`' `dry()` block a Triton
+launch does not run: it becomes Triton's compile-only launch
+(`warmup=True`) on a thread pool, and `finish()` waits for every compile
+(`compile_ahead(threads)` is the two in one block); in between, the
+caller may do other work while the pool compiles. Each compiled
 variant lands in the kernel's in-process cache (and Triton's on-disk one),
 where the real launches of the same shapes find it.
 
@@ -32,8 +34,8 @@ context is safe for it. A child that fails, or has not finished in
 `CHILD_TIMEOUT_S`, costs only time: the thread's own call then compiles
 (and fails) as it would have without the fork.
 
-Owns the interception (one patch of JITFunction.run, undone on exit; Gluon
-kernels inherit it), the pool and the forked compiles. Launches are
+Owns the interception (one patch of JITFunction.run, undone when the dry
+block ends; Gluon kernels inherit it), the pool and the forked compiles. Launches are
 deduplicated by what Triton's default specialization looks at
 (`_variant_key`), so launches that differ only in an integer's value share
 a compile. A variant the key misses (a kernel's own specialization rules)
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import threading
 import time
 import warnings
@@ -62,61 +65,99 @@ CHILD_TIMEOUT_S = 120.0
 _fork_lock = threading.Lock()
 
 
+class AheadCompiles:
+    """A pool of compiles fed by `dry()` blocks and waited for by `finish()`.
+
+    Between the two the compiles run in the background (their forked
+    children hold no GIL of this process), so a caller can do other work
+    meanwhile: the startup reads the weights (worker/stages.py)."""
+
+    def __init__(self, threads: int) -> None:
+        from triton.compiler import compile as triton_compile
+
+        self._triton_compile = triton_compile
+        # The kernels whose compile call goes through a child, and their own.
+        self._fork = hasattr(os, "fork") and not _always_compile()
+        self._forked: dict[Any, Callable] = {}
+        self._device = torch.cuda.current_device()
+        self._seen: set[tuple] = set()
+        self.futures: list[Future] = []
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")
+
+    @contextmanager
+    def dry(self) -> Iterator[list[Future]]:
+        """Inside, this thread's Triton launches become compiles handed to
+        the pool (module docstring); yields the list of their futures."""
+        from triton.runtime.jit import JITFunction
+
+        launch = JITFunction.run
+        owner = threading.get_ident()
+        device = self._device
+
+        def compile_variant(fn: Any, args: tuple, grid: Any, kwargs: dict) -> Any:
+            torch.cuda.set_device(device)  # Triton reads the thread's current device
+            kernel = launch(fn, *args, grid=grid, warmup=True, **kwargs)
+            # What Triton otherwise does at the variant's first real launch, on
+            # the launching thread: load the binary onto the device and make its
+            # host launcher (before Triton 3.9 a small C module per argument
+            # signature, built by the system's C compiler on a cache miss).
+            init_handles = getattr(kernel, "_init_handles", None)
+            if init_handles is not None:
+                init_handles()
+            return kernel
+
+        def run(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            if threading.get_ident() != owner:  # the pool's own compile-only launches
+                return launch(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            key = _variant_key(fn, args, kwargs)
+            if key not in self._seen:
+                self._seen.add(key)
+                # The kernel's per-device cache is made on first use: made here,
+                # once, not by two compile threads racing, each filling its own.
+                caches = getattr(fn, "device_caches", None)
+                if caches is not None:
+                    caches[device]
+                compile_fn = getattr(fn, "compile", None)
+                if self._fork and fn not in self._forked and compile_fn is self._triton_compile:
+                    self._forked[fn] = compile_fn
+                    fn.compile = _forked(compile_fn)
+                self.futures.append(self._pool.submit(compile_variant, fn, args, grid, kwargs))
+            return None
+
+        JITFunction.run = run
+        try:
+            yield self.futures
+        finally:
+            JITFunction.run = launch
+
+    def finish(self) -> int:
+        """Wait for every compile handed over; how many there were."""
+        wait(self.futures)
+        self._close(cancel=False)
+        return len(self.futures)
+
+    def cancel(self) -> None:
+        """Drop the compiles not yet started and wait for the running ones
+        (a startup that failed meanwhile)."""
+        self._close(cancel=True)
+
+    def _close(self, cancel: bool) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        for fn, compile_fn in self._forked.items():
+            fn.compile = compile_fn
+        self._forked.clear()
+
+
 @contextmanager
 def compile_ahead(threads: int) -> Iterator[list[Future]]:
     """Turn this thread's Triton launches into parallel compiles (module
     docstring); yields the list of compile futures, complete on exit."""
-    from triton.compiler import compile as triton_compile
-    from triton.runtime.jit import JITFunction
-
-    launch = JITFunction.run
-    # The kernels whose compile call goes through a child, and their own.
-    fork = hasattr(os, "fork") and not _always_compile()
-    forked: dict[Any, Callable] = {}
-    owner = threading.get_ident()
-    device = torch.cuda.current_device()
-    seen: set[tuple] = set()
-    futures: list[Future] = []
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")
-
-    def compile_variant(fn: Any, args: tuple, grid: Any, kwargs: dict) -> Any:
-        torch.cuda.set_device(device)  # Triton reads the thread's current device
-        kernel = launch(fn, *args, grid=grid, warmup=True, **kwargs)
-        # What Triton otherwise does at the variant's first real launch, on
-        # the launching thread: load the binary onto the device and make its
-        # host launcher (before Triton 3.9 a small C module per argument
-        # signature, built by the system's C compiler on a cache miss).
-        init_handles = getattr(kernel, "_init_handles", None)
-        if init_handles is not None:
-            init_handles()
-        return kernel
-
-    def run(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-        if threading.get_ident() != owner:  # the pool's own compile-only launches
-            return launch(fn, *args, grid=grid, warmup=warmup, **kwargs)
-        key = _variant_key(fn, args, kwargs)
-        if key not in seen:
-            seen.add(key)
-            # The kernel's per-device cache is made on first use: made here,
-            # once, not by two compile threads racing, each filling its own.
-            caches = getattr(fn, "device_caches", None)
-            if caches is not None:
-                caches[device]
-            if fork and fn not in forked and getattr(fn, "compile", None) is triton_compile:
-                forked[fn] = fn.compile
-                fn.compile = _forked(triton_compile)
-            futures.append(pool.submit(compile_variant, fn, args, grid, kwargs))
-        return None
-
-    JITFunction.run = run
+    ahead = AheadCompiles(threads)
     try:
-        yield futures
+        with ahead.dry() as futures:
+            yield futures
     finally:
-        JITFunction.run = launch
-        wait(futures)
-        pool.shutdown()
-        for fn, compile_fn in forked.items():
-            fn.compile = compile_fn
+        ahead.finish()
 
 
 def _variant_key(fn: Any, args: tuple, kwargs: dict) -> tuple:
@@ -217,7 +258,22 @@ def _cache_lookup(src: Any, target: Any = None, options: Any = None, _env_vars: 
 
 
 def _reap(pid: int, timeout_s: float) -> None:
-    """Wait for child pid, killing it past timeout_s."""
+    """Wait for child pid, killing it past timeout_s. The wait blocks on a
+    pidfd where the OS has them: a thread polling instead would take the
+    GIL hundreds of times a second from the threads reading the weights."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None:
+        try:
+            exited, _, _ = select.select([pidfd], [], [], timeout_s)
+        finally:
+            os.close(pidfd)
+        if not exited:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return
     deadline = time.monotonic() + timeout_s
     while os.waitpid(pid, os.WNOHANG) == (0, 0):
         if time.monotonic() > deadline:

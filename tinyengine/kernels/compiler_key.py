@@ -8,10 +8,10 @@ first kernel variant, where a startup's compiles wait on it.
 
 `start()` (the runner calls it before it imports its kernels, on a GPU with
 the Triton ops) runs `triton_key()` in a child Python, and `wait()`
-(profile's first act on a GPU, worker/precompile.py, before the dry run's
-compiles) installs the child's answer as this process's, the way Triton's
-own compile pools hand theirs the key. The child overlaps the runner's
-setup, the tokenizer and the weights' load. Not a thread: a thread's
+(on a GPU, once load has built the model, worker/precompile.py, before the
+dry run's compiles) installs the child's answer as this process's, the way
+Triton's own compile pools hand theirs the key. The child overlaps the
+runner's setup, the tokenizer and the model's construction. Not a thread: a thread's
 hashing takes the GIL back after every 1 MB chunk and crawls while the main
 thread runs Python (5.9 s instead of 0.8 s; docs/benchmarks.md). The answer
 is installed only from the same Triton files as this process's; a child

@@ -16,7 +16,7 @@ import os
 import queue
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,6 +84,7 @@ def load_model(
     tp_size: int = 1,
     expert_parallel: bool = False,
     threads: int = 1,
+    on_built: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Build the model named by hf_config["architectures"][0] directly on
     `device` in `dtype` and fill every parameter: from the checkpoint
@@ -95,7 +96,9 @@ def load_model(
     experts split whole over those tp_size ranks instead of each expert's
     features; only classes with `supports_expert_parallel` take it.
     threads: how many threads read the checkpoint (load_weights; the
-    engine passes EngineConfig.load_threads)."""
+    engine passes EngineConfig.load_threads). on_built: called with the
+    built model before any of its weights are set (the startup starts its
+    kernel compiles there, worker/stages.py)."""
     folder = Path(model_path)
     model_cls = get_model_class(hf_config)
     if expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
@@ -115,6 +118,8 @@ def load_model(
     weight_map = checkpoint_weight_map(folder) if load_format == "safetensors" else {}
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, tp_rank, tp_size, **ep)
+    if on_built is not None:
+        on_built(model.eval())
     if load_format == "dummy":
         init_dummy_weights(model, float(hf_config.get("initializer_range") or 0.02))
     else:

@@ -114,6 +114,7 @@ class LockstepStages:
         self.local.runner.peers = self.workers
 
     def shutdown(self) -> None:
+        self.local.shutdown()
         self.workers.shutdown()
 
     def rank_records(self) -> list[dict[str, Any]]:

@@ -1,6 +1,8 @@
-"""Precompile: profile's first act on a GPU with the Triton ops, a dry run of
-every dummy forward the startup will run, whose Triton kernels compile in
-parallel threads instead of running (kernels/compile_ahead.py).
+"""Precompile: on a GPU with the Triton ops, a dry run of every dummy forward
+the startup will run, whose Triton kernels compile in parallel threads
+instead of running (kernels/compile_ahead.py). The load stage walks it
+between building the model and reading its weights, so the compiles run
+while the weights are read; profile waits for them before its real forwards.
 
 The startup's dummy forwards (profile's worst prefill and decode steps and
 its decode-size shape runs, warmup's prefill size classes and piecewise
@@ -26,7 +28,7 @@ import os
 import torch
 
 from tinyengine.kernels import compiler_key
-from tinyengine.kernels.compile_ahead import compile_ahead
+from tinyengine.kernels.compile_ahead import AheadCompiles
 from tinyengine.models.context import KVCacheSpec
 from tinyengine.worker.graph_capture import run_piecewise_shape
 from tinyengine.worker.kv_cache import allocate_kv_cache, useful_blocks
@@ -34,28 +36,36 @@ from tinyengine.worker.runner import ModelRunner
 from tinyengine.worker.warmup import run_prefill_classes, workload
 
 
-def precompile(runner: ModelRunner) -> int:
+def start_precompile(runner: ModelRunner) -> AheadCompiles | None:
     """The dry run (module docstring) when the runner runs Triton kernels on
     a GPU and EngineConfig.compile_threads allows more than one thread.
-    Returns how many variants it handed to the pool (0: skipped)."""
+    Returns the compiles it handed to the pool, still running (None:
+    skipped); their `finish()` waits for them. The model need not hold its
+    weights yet: nothing the dry run computes is read."""
     if runner.device.type == "cuda":
         # The compiler key the runner had hashed in a child, installed (and
         # the child reaped) whether or not the dry run runs.
         compiler_key.wait()
     threads = compile_threads(runner.config.compile_threads)
     if threads < 2 or runner.device.type != "cuda" or runner.ops.name != "triton":
-        return 0
+        return None
     from tinyengine.kernels.attention.triton import wide_offsets  # imports Triton: GPU only
 
-    with torch.inference_mode(), compile_ahead(threads) as compiles:
-        startup_forwards(runner)
-        # Profile runs against a one-block KV cache; serving's may be too
-        # large for the paged attention kernels' int32 offsets, a variant of
-        # its own that would otherwise compile in warmup, one at a time.
-        if kv_cache_may_need_wide_offsets(runner):
-            with wide_offsets():
-                startup_forwards(runner)
-    return len(compiles)
+    runner.allocate_kv_cache(0)  # the dummy block the forwards write
+    compiles = AheadCompiles(threads)
+    try:
+        with torch.inference_mode(), compiles.dry():
+            startup_forwards(runner)
+            # Profile runs against a one-block KV cache; serving's may be too
+            # large for the paged attention kernels' int32 offsets, a variant of
+            # its own that would otherwise compile in warmup, one at a time.
+            if kv_cache_may_need_wide_offsets(runner):
+                with wide_offsets():
+                    startup_forwards(runner)
+    except BaseException:
+        compiles.cancel()
+        raise
+    return compiles
 
 
 def startup_forwards(runner: ModelRunner) -> None:

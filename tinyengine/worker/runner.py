@@ -110,20 +110,34 @@ class ModelRunner:
 
     # --- stage work: load, KV cache ---
 
-    def load_model(self) -> None:
+    def load_model(self, before_weights: Callable[[], None] | None = None) -> None:
+        """Build the model and fill its weights. `before_weights` runs in
+        between, with the runner set up around a model whose parameters are
+        zeros (the startup's dry run of its forwards, worker/precompile.py:
+        zeros, not an empty allocation's leftovers, so that an integer
+        parameter such as a hash-routing table indexes in range)."""
         tp = tp_group()
+
+        def built(model: torch.nn.Module) -> None:
+            self.model = model
+            for module in model.modules():  # max_model_len may pass the model's positions
+                if isinstance(module, RopeCache):
+                    module.cover_positions(self.max_model_len)
+            self.keep = sliding_keep(model.kv_cache_spec())
+            if self.keep is not None:
+                self.block_table = HostBlockTable(self.max_blocks_per_seq, sliding=True)
+                self.buffers.entry_block_tables = torch.zeros_like(self.buffers.block_tables)
+            if before_weights is not None:
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.zero_()
+                before_weights()
+
         self.model = load_model(
             self.config.model, self.hf_config, self.dtype, self.device, self.config.load_format,
             tp_rank=tp.rank, tp_size=tp.size, expert_parallel=self.config.enable_expert_parallel,
-            threads=self.config.load_threads,
+            threads=self.config.load_threads, on_built=built,
         )  # fmt: skip
-        for module in self.model.modules():  # max_model_len may pass the model's positions
-            if isinstance(module, RopeCache):
-                module.cover_positions(self.max_model_len)
-        self.keep = sliding_keep(self.model.kv_cache_spec())
-        if self.keep is not None:
-            self.block_table = HostBlockTable(self.max_blocks_per_seq, sliding=True)
-            self.buffers.entry_block_tables = torch.zeros_like(self.buffers.block_tables)
 
     def kv_bytes_per_block(self) -> int:
         """One block of the full-history group (the one whose count varies)."""

@@ -8,7 +8,8 @@ batches of the profile run; the arithmetic of the KV budget.
 Each stage returns its result and receives what it needs from an earlier stage
 as an argument, handed over by the machine: profile -> `ProfileResult` ->
 size_kv -> number of KV blocks -> warmup. This object keeps no stage's result
-for another, never decides the order, and never reaches into the engine (the
+for another (only the compiles load starts, which profile waits for), never
+decides the order, and never reaches into the engine (the
 engine is built from the runner and the KV block count once the machine is
 READY; warmup drives the runner and a scheduler of its own, worker/warmup.py).
 
@@ -30,6 +31,7 @@ import torch
 
 from tinyengine.config import EngineConfig
 from tinyengine.kernels import jit_monitor
+from tinyengine.kernels.compile_ahead import AheadCompiles
 from tinyengine.models.loader import load_hf_config
 from tinyengine.sampling_params import SamplingParams
 from tinyengine.worker.graph_capture import run_piecewise_shape
@@ -38,7 +40,7 @@ from tinyengine.worker.precompile import (
     decode_shape_sizes,
     largest_decode,
     largest_prefill,
-    precompile,
+    start_precompile,
 )
 from tinyengine.worker.runner import ModelRunner
 from tinyengine.worker.warmup import light_startup, run_warmup
@@ -56,6 +58,9 @@ class ProfileResult:
 class StartupStages:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        # The dry run's compiles, from load (which starts them) to profile
+        # (which waits for them): work in the background, not a result.
+        self.compiles: AheadCompiles | None = None
 
     @classmethod
     def for_config(cls, config: EngineConfig) -> StartupStages:
@@ -77,7 +82,20 @@ class StartupStages:
     # --- the stages ---
 
     def load(self) -> None:
-        self.runner.load_model()
+        """Build the model and read its weights; in between, on a GPU with
+        the Triton ops, walk the dry run (worker/precompile.py), so that its
+        kernels compile in the pool while the weights are read."""
+
+        def start_compiles() -> None:
+            self.compiles = start_precompile(self.runner)
+
+        try:
+            self.runner.load_model(start_compiles)
+        except BaseException:
+            if self.compiles is not None:
+                self.compiles.cancel()
+                self.compiles = None
+            raise
 
     @torch.inference_mode()
     def profile(self) -> ProfileResult:
@@ -88,10 +106,13 @@ class StartupStages:
         cfg, device = runner.config, runner.device
         runner.allocate_kv_cache(0)
 
-        # 0. On a GPU with the Triton ops, a dry run of every dummy forward the
-        #    startup will run (worker/precompile.py): their kernels compile in
-        #    parallel threads now instead of one by one at first launch below.
-        precompile(runner)
+        # 0. On a GPU with the Triton ops, the compiles load's dry run of every
+        #    dummy forward the startup will run started (worker/precompile.py)
+        #    finish: the forwards below find every kernel compiled instead of
+        #    compiling each at its first launch, one after another.
+        if self.compiles is not None:
+            compiles, self.compiles = self.compiles, None
+            compiles.finish()
         # 1. The largest prefill step: max_num_batched_tokens tokens in sequences
         #    no longer than max_model_len (and no more than max_num_seqs of them).
         #    Skipped by a light startup (CPU, torch op set; worker/warmup.py):
@@ -172,7 +193,11 @@ class StartupStages:
         self.runner.workspace.lock()
 
     def shutdown(self) -> None:
-        """Nothing to end with one rank (LockstepStages ends its workers)."""
+        """End the compiles load started, should profile never have waited
+        for them (LockstepStages also ends its workers)."""
+        if self.compiles is not None:
+            self.compiles.cancel()
+            self.compiles = None
 
     # --- the probes the machine reads around each stage ---
 
