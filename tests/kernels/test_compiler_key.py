@@ -72,16 +72,17 @@ def test_late_child_is_killed_and_installs_nothing(fresh_key, monkeypatch):
     assert cache.triton_key is original
 
 
-def test_profile_installs_the_key_without_a_dry_run(fresh_key):
-    """precompile (profile's first act) waits for the child on every GPU
-    start, also when it compiles nothing ahead (one compile thread): the
+def test_load_installs_the_key_without_a_dry_run(fresh_key):
+    """start_precompile (load's, once the model is built) waits for the
+    child on every GPU start, also when it compiles nothing ahead (one
+    compile thread): the
     child is reaped and its key installed. The runner is a stand-in: a CUDA
     runner cannot exist on a CPU host, and precompile reads only these."""
     from types import SimpleNamespace
 
     import torch
 
-    from tinyengine.worker.precompile import precompile
+    from tinyengine.worker.precompile import start_precompile
 
     compiler_key.start()
     child = compiler_key._child
@@ -89,6 +90,6 @@ def test_profile_installs_the_key_without_a_dry_run(fresh_key):
         device=torch.device("cuda"), config=SimpleNamespace(compile_threads=1),
         ops=SimpleNamespace(name="triton"),
     )  # fmt: skip
-    assert precompile(runner) == 0
+    assert start_precompile(runner) is None
     assert compiler_key._child is None and child.poll() is not None
     assert isinstance(cache.triton_key, compiler_key._Known)
