@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 
@@ -61,8 +62,7 @@ class _Compiles:
     """Stands in for the dry run's pending compiles (kernels/compile_ahead.py)."""
 
     def __init__(self, runner):
-        params = list(runner.model.parameters())
-        self.saw_zeros = all(not p.any() for p in params)
+        self.params_at_start = {n: p.clone() for n, p in runner.model.named_parameters()}
         self.finished = self.cancelled = 0
 
     def finish(self):
@@ -83,16 +83,21 @@ def _fake_dry_run(monkeypatch):
 
 
 def test_the_dry_run_starts_before_the_weights_and_profile_waits(tmp_path, monkeypatch):
-    """load starts the dry run's compiles between building the model (whose
-    parameters are zeros then, so integer tables index in range) and
-    reading its weights; profile waits for them before its forwards."""
+    """load starts the dry run's compiles between building the model and
+    reading its weights (no parameter holds its checkpoint value yet);
+    profile waits for them before its forwards."""
+    from safetensors.torch import load_file
+
     made = _fake_dry_run(monkeypatch)
     path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", num_hidden_layers=1)
     llm = LLM(str(path), max_model_len=64, max_num_seqs=2, print_startup_report=False)
     (compiles,) = made
-    assert compiles.saw_zeros and compiles.finished == 1 and compiles.cancelled == 0
-    model = llm.engine.runner.model
-    assert all(p.any() for name, p in model.named_parameters() if "norm" not in name)
+    assert compiles.finished == 1 and compiles.cancelled == 0
+    checkpoint = load_file(next(path.glob("*.safetensors")))
+    loaded = dict(llm.engine.runner.model.named_parameters())
+    for name, before in compiles.params_at_start.items():
+        assert not torch.equal(before, loaded[name]), name
+    assert any(torch.equal(loaded["model.norm.weight"], t) for t in checkpoint.values())
 
 
 def test_a_load_that_fails_cancels_the_compiles(tmp_path, monkeypatch):

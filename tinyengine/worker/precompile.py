@@ -52,6 +52,12 @@ def start_precompile(runner: ModelRunner) -> AheadCompiles | None:
     from tinyengine.kernels.attention.triton import wide_offsets  # imports Triton: GPU only
 
     runner.allocate_kv_cache(0)  # the dummy block the forwards write
+    # The weights are not read yet: zeros, not an empty allocation's
+    # leftovers, so that the torch ops' integer parameters (DeepSeek-V4's
+    # hash-routing table) index in range. A memset: milliseconds.
+    with torch.no_grad():
+        for param in runner.model.parameters():
+            param.zero_()
     compiles = AheadCompiles(threads)
     try:
         with torch.inference_mode(), compiles.dry():

@@ -112,10 +112,9 @@ class ModelRunner:
 
     def load_model(self, before_weights: Callable[[], None] | None = None) -> None:
         """Build the model and fill its weights. `before_weights` runs in
-        between, with the runner set up around a model whose parameters are
-        zeros (the startup's dry run of its forwards, worker/precompile.py:
-        zeros, not an empty allocation's leftovers, so that an integer
-        parameter such as a hash-routing table indexes in range)."""
+        between, with the runner set up around the built model, whose
+        parameters hold nothing yet (the startup starts its dry run of the
+        forwards there, worker/precompile.py)."""
         tp = tp_group()
 
         def built(model: torch.nn.Module) -> None:
@@ -128,9 +127,6 @@ class ModelRunner:
                 self.block_table = HostBlockTable(self.max_blocks_per_seq, sliding=True)
                 self.buffers.entry_block_tables = torch.zeros_like(self.buffers.block_tables)
             if before_weights is not None:
-                with torch.no_grad():
-                    for param in model.parameters():
-                        param.zero_()
                 before_weights()
 
         self.model = load_model(
