@@ -255,14 +255,14 @@ def _double(x_ptr, n, BLOCK: tl.constexpr):
 
 @pytest.mark.gpu
 def test_gpu_compile_ahead_loads_each_variant():
-    import torch
-
-    from tinyengine.kernels.compile_ahead import compile_ahead
+    from tinyengine.kernels.compile_ahead import AheadCompiles
 
     x = torch.ones(100, device="cuda")
-    with compile_ahead(2) as futures:
+    compiles = AheadCompiles(2)
+    with compiles.dry() as futures:
         _double[(1,)](x, 100, BLOCK=128)
         _double[(1,)](x, 100, BLOCK=256)
+    assert compiles.finish() == 2
     kernels = [f.result() for f in futures]
     assert len(kernels) == 2 and all(k.module is not None for k in kernels)
     assert torch.equal(x, torch.ones_like(x))  # nothing ran inside the block

@@ -5,9 +5,8 @@ Triton compiles a kernel variant at its first launch, on the launching
 thread, so a startup on an empty Triton cache meets its ~16 variants one
 after another, ~1 s each. Inside an `AheadCompiles`' `dry()` block a Triton
 launch does not run: it becomes Triton's compile-only launch
-(`warmup=True`) on a thread pool, and `finish()` waits for every compile
-(`compile_ahead(threads)` is the two in one block); in between, the
-caller may do other work while the pool compiles. Each compiled
+(`warmup=True`) on a thread pool, and `finish()` waits for every compile;
+in between, the caller may do other work while the pool compiles. Each compiled
 variant lands in the kernel's in-process cache (and Triton's on-disk one),
 where the real launches of the same shapes find it.
 
@@ -146,18 +145,6 @@ class AheadCompiles:
         for fn, compile_fn in self._forked.items():
             fn.compile = compile_fn
         self._forked.clear()
-
-
-@contextmanager
-def compile_ahead(threads: int) -> Iterator[list[Future]]:
-    """Turn this thread's Triton launches into parallel compiles (module
-    docstring); yields the list of compile futures, complete on exit."""
-    ahead = AheadCompiles(threads)
-    try:
-        with ahead.dry() as futures:
-            yield futures
-    finally:
-        ahead.finish()
 
 
 def _variant_key(fn: Any, args: tuple, kwargs: dict) -> tuple:
