@@ -34,8 +34,8 @@ context is safe for it. A child that fails, or has not finished in
 (and fails) as it would have without the fork.
 
 Owns the interception (one patch of JITFunction.run, undone when the dry
-block ends; Gluon kernels inherit it), the pool and the forked compiles. Launches are
-deduplicated by what Triton's default specialization looks at
+block ends; Gluon kernels inherit it), the pool and the forked compiles.
+Launches are deduplicated by what Triton's default specialization looks at
 (`_variant_key`), so launches that differ only in an integer's value share
 a compile. A variant the key misses (a kernel's own specialization rules)
 compiles at its real launch, as it would have without this block.
@@ -50,7 +50,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -131,7 +131,6 @@ class AheadCompiles:
 
     def finish(self) -> int:
         """Wait for every compile handed over; how many there were."""
-        wait(self.futures)
         self._close(cancel=False)
         return len(self.futures)
 
@@ -141,7 +140,7 @@ class AheadCompiles:
         self._close(cancel=True)
 
     def _close(self, cancel: bool) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        self._pool.shutdown(wait=True, cancel_futures=cancel)  # waits for all not cancelled
         for fn, compile_fn in self._forked.items():
             fn.compile = compile_fn
         self._forked.clear()

@@ -11,8 +11,8 @@ the Triton ops) runs `triton_key()` in a child Python, and `wait()`
 (on a GPU, once load has built the model, worker/precompile.py, before the
 dry run's compiles) installs the child's answer as this process's, the way
 Triton's own compile pools hand theirs the key. The child overlaps the
-runner's setup, the tokenizer and the model's construction. Not a thread: a thread's
-hashing takes the GIL back after every 1 MB chunk and crawls while the main
+runner's setup, the tokenizer and the model's construction. Not a thread:
+a thread's hashing takes the GIL back after every 1 MB chunk and crawls while the main
 thread runs Python (5.9 s instead of 0.8 s; docs/benchmarks.md). The answer
 is installed only from the same Triton files as this process's; a child
 that fails, disagrees or is late (`TIMEOUT_S`) installs nothing, and the

@@ -111,10 +111,8 @@ class ModelRunner:
     # --- stage work: load, KV cache ---
 
     def load_model(self, before_weights: Callable[[], None] | None = None) -> None:
-        """Build the model and fill its weights. `before_weights` runs in
-        between, with the runner set up around the built model, whose
-        parameters hold nothing yet (the startup starts its dry run of the
-        forwards there, worker/precompile.py)."""
+        """Build the model and fill its weights; `before_weights` runs in
+        between, on the built model (the startup's dry run, worker/stages.py)."""
         tp = tp_group()
 
         def built(model: torch.nn.Module) -> None:
@@ -129,7 +127,7 @@ class ModelRunner:
             if before_weights is not None:
                 before_weights()
 
-        self.model = load_model(
+        load_model(  # `built` keeps the model
             self.config.model, self.hf_config, self.dtype, self.device, self.config.load_format,
             tp_rank=tp.rank, tp_size=tp.size, expert_parallel=self.config.enable_expert_parallel,
             threads=self.config.load_threads, on_built=built,

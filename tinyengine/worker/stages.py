@@ -92,9 +92,7 @@ class StartupStages:
         try:
             self.runner.load_model(start_compiles)
         except BaseException:
-            if self.compiles is not None:
-                self.compiles.cancel()
-                self.compiles = None
+            self._cancel_compiles()
             raise
 
     @torch.inference_mode()
@@ -106,10 +104,9 @@ class StartupStages:
         cfg, device = runner.config, runner.device
         runner.allocate_kv_cache(0)
 
-        # 0. On a GPU with the Triton ops, the compiles load's dry run of every
-        #    dummy forward the startup will run started (worker/precompile.py)
-        #    finish: the forwards below find every kernel compiled instead of
-        #    compiling each at its first launch, one after another.
+        # 0. On a GPU with the Triton ops, wait for the compiles load started
+        #    (worker/precompile.py): the forwards below then find every kernel
+        #    compiled instead of compiling each at its first launch.
         if self.compiles is not None:
             compiles, self.compiles = self.compiles, None
             compiles.finish()
@@ -195,9 +192,12 @@ class StartupStages:
     def shutdown(self) -> None:
         """End the compiles load started, should profile never have waited
         for them (LockstepStages also ends its workers)."""
+        self._cancel_compiles()
+
+    def _cancel_compiles(self) -> None:
         if self.compiles is not None:
-            self.compiles.cancel()
-            self.compiles = None
+            compiles, self.compiles = self.compiles, None
+            compiles.cancel()
 
     # --- the probes the machine reads around each stage ---
 
