@@ -19,7 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-_CHUNK_S = 4  # splits summed per step: a [4, 512] fp32 tile per program
+# Splits summed per step: a [16, 512] fp32 tile per program. Each step is a
+# round trip to memory the program waits for, so at batch 1 (128 programs,
+# 32 splits) the step count, not the bytes, is the merge's time
+# (docs/benchmarks.md has 4, 8, 16 and 32 a step measured).
+_CHUNK_S = 16
 
 
 @triton.jit(do_not_specialize=["num_splits"])

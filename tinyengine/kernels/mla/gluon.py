@@ -141,7 +141,10 @@ if HAVE_GLUON:
                 write_empty_split(part_lse_ptr, part_idx)
                 return
 
-        # The query block into shared memory: the A operand of the QK wgmma.
+        # The query's loads go out first and the first tile's copy is issued
+        # before they are used: the block-table read, the copy and the query
+        # read overlap instead of following each other (at batch 1 a program
+        # walks two tiles, so this latency is much of its time).
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows_layout))
         offs_l = gl.arange(0, LATENT, layout=gl.SliceLayout(0, rows_layout))
         offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rows_layout))
@@ -149,11 +152,8 @@ if HAVE_GLUON:
                     + offs_l[None, :])  # fmt: skip
         qr = gl.load(q_rope_ptr + seq.to(gl.int64) * stride_qrb + heads[:, None] * stride_qrh
                      + offs_r[None, :])  # fmt: skip
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], q_sl, q)
-        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_sl, qr)
         lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], lat_desc.layout)
         rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], rope_desc.layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -166,6 +166,12 @@ if HAVE_GLUON:
                 lat_desc, rope_desc, bt_row, start + i * BLOCK_N, bars.index(i),
                 lat_ring.index(i), rope_ring.index(i), i < num_tiles, BLOCK_SIZE,
             )  # fmt: skip
+        # The query block into shared memory: the A operand of the QK wgmma
+        # (the loop's first CTA barrier orders these stores before it).
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], q_sl, q)
+        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_sl, qr)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
+        fence_async_shared()
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
