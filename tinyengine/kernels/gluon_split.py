@@ -1,13 +1,7 @@
-"""Pieces of the Gluon split-KV decode kernels: where a split's whole tiles
-start and end and what an empty split writes (kernels/mla/gluon.py,
-kernels/sparse_attention/gluon.py), one online-softmax step with the
-weights passed between warpgroups through shared memory (kernels/mla/
-gluon.py), and a split's normalised partial (both).
-
-The MLA kernel lays out the scores S [64 heads, BLOCK_N keys] with the two
-warpgroups splitting the keys, and the output O [64 heads, D] with each
-warpgroup owning half the columns (kernels/mla/gluon.py says why); these
-functions take those layouts from their arguments.
+"""Pieces of the Gluon split-KV decode kernels (kernels/mla/gluon.py,
+kernels/sparse_attention/gluon.py): where a split's whole tiles start and
+end, what an empty split writes, and a split's normalised partial, written
+by each warpgroup for the output columns it holds.
 """
 
 from __future__ import annotations
@@ -16,11 +10,8 @@ from tinyengine.kernels.gluon_support import HAVE_GLUON
 
 if HAVE_GLUON:
     from tinyengine.kernels.gluon_support import (
-        cta_barrier,
-        fence_async_shared,
         gl,
         gluon,
-        warpgroup_mma,
     )
 
     @gluon.jit
@@ -37,26 +28,6 @@ if HAVE_GLUON:
         loads its partial."""
         gl.store(part_lse_ptr + part_idx, gl.full(part_idx.shape, float("-inf"), gl.float32,
                                                   part_idx.type.layout))  # fmt: skip
-
-    @gluon.jit
-    def softmax_pv(s, m_i, l_i, acc, p_smem, v):
-        """One online-softmax step (log2 units; dead keys already -inf):
-        acc = acc * 2^(m - m_new) + 2^(s - m_new) @ v. Each warpgroup holds
-        half of P's columns and its PV wgmma needs all of them: through
-        shared memory, fenced for the tensor cores and barriered for the
-        other warpgroup. A row whose keys so far are all dead keeps m = -inf
-        and uses 0 in its place (its weights are 0, not NaN)."""
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        p_smem.store(p.to(p_smem.dtype))
-        fence_async_shared()
-        cta_barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-        acc = warpgroup_mma(p_smem, v, acc)
-        return acc, m_new, l_i
 
     @gluon.jit
     def write_partial(

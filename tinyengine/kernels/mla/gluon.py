@@ -1,41 +1,35 @@
-"""MLA decode's split kernel for Hopper in Gluon (Triton's lower-level
-dialect, where the kernel chooses its own layouts and shared memory): the one
-tile DeepSeek-V3 decode runs on Hopper (64 heads x 64 latent rows, L=512,
-R=64, bf16/fp16, 64-token cache pages), written so both warpgroups share the
-work instead of repeating it.
+"""MLA decode's split kernel for Hopper in Gluon, warp-specialized with
+FlashMLA's division of the work: a producer warpgroup copies the query and
+each 64-row page of the latent cache (TMA) into a two-slot ring; the first
+consumer warpgroup computes every tile's whole score tile (QK^T over the 512
+latent and 64 rope columns, N = 64) and its softmax, publishes the weights P
+and the rescale factors, and applies P to its half of the 512 output
+columns; the second consumer applies P to the other half.
 
-Why it exists. In the Triton kernel (kernels/mla/triton.py) the compiler lays
-out the QK product, whose result feeds the PV product in the same iteration,
-with all 8 warps along its 64 rows, so both warpgroups compute the same QK
-product and softmax (~1.5x the MMA work). Here the layouts are explicit:
+Why one warpgroup scores. Split between two warpgroups, a tile's scores
+are two N = 32 wgmmas with both operands in shared memory, which ask it for
+~1.5x the bytes a cycle it delivers, and the warpgroups meet at a barrier
+for every row max and sum. Scored by one, the tile is one N = 64 product
+(the bytes a cycle shared memory gives), the softmax's row reductions stay
+inside the warpgroup, and while the second warpgroup runs tile t's PV
+product the first is already scoring tile t + 1 (docs/kernels.md,
+docs/benchmarks.md).
 
-    S   [64 heads, 64 rows]  NVMMA v3, warps [4, 2]: the warpgroups split the
-                             64 columns (32 each), each with all 64 heads;
-    O   [64 heads, 512]      NVMMA v3, warps [4, 2]: each warpgroup owns 256
-                             of the 512 output columns.
+Per tile t (slot t % 2): the first consumer waits for the page, scores it,
+updates its running (max, sum), waits until the second consumer has read
+P(t - 1), writes P(t) and alpha(t) = 2^(m_prev - m_new) to shared memory and
+signals `ready`; each consumer then rescales its output half by alpha(t) and
+adds P(t) @ C(t)[:, half]; the slot is free (`empty`, count 2) once both
+have. At the end the first publishes (max, sum) through `done` for the
+second's half of the partial.
 
-Both layouts split the rows the same way, so the softmax statistics (row
-max, row sum, rescale factor) move between them without data movement, and
-the weights P reach the PV product through shared memory: each warpgroup
-writes its half of P, a fence and a CTA barrier make it visible to the
-tensor cores, and each warpgroup multiplies all of P by its half of the tile.
-Doing the QK product once makes it about 1.4x faster than the Triton kernel
-at 128 heads (docs/benchmarks.md, MLA decode in Gluon).
+A split's last page may end before its rows do: the first consumer zeroes
+the rows past the context in shared memory before scoring it (they may hold
+anything, and 0 x NaN is NaN); their scores are masked to -inf.
 
-One program = (64 heads, sequence, split), as in the Triton kernel, whose
-reduce merges the splits. Per tile: a TMA copy of the page's latent and rope
-rows into a two-slot ring (mbarrier-tracked; the copy of tile t + 1 is issued
-before tile t is waited on), scores = q_lat @ c^T + q_rope @ r^T (wgmma from
-shared memory), an eager online softmax in the log2 domain, acc += P @ c. A
-split's last tile may end before its page does: its rows past the context
-are zeroed in shared memory before the PV product (they may hold anything,
-and 0 x NaN is NaN), and their scores are masked to -inf.
-
-Shared memory at DeepSeek's widths: the query (72 KB), two ring slots (144
-KB), P (8 KB): 224 of the 227 KB a block may use on sm_90, so this kernel has
-exactly one tile shape; `supports` says when it applies, and everything else
-runs the Triton kernel. No interpreter runs Gluon: CPU tests cover the Triton
-kernel, and GPU tests compare this one with the reference and with it.
+Shared memory: the query (64 + 8 KB), two ring slots of 64 latent and rope
+rows (72 KB each), P (8 KB), alpha / max / sum (768 bytes): 225 of the
+227 KB. No interpreter runs Gluon: GPU tests compare it with the reference.
 """
 
 from __future__ import annotations
@@ -43,21 +37,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from tinyengine.kernels.gluon_support import (
-    HAVE_GLUON,
-    is_hopper,
-    launch_or_give_up,
-)
+from tinyengine.kernels.gluon_support import HAVE_GLUON, is_hopper, launch_or_give_up
 
 if HAVE_GLUON:
-    from tinyengine.kernels.gluon_split import (
-        softmax_pv,
-        split_range,
-        write_empty_split,
-        write_partial,
-    )
+    from tinyengine.kernels.gluon_split import split_range, write_empty_split, write_partial
     from tinyengine.kernels.gluon_support import (
         TensorDescriptor,
+        async_copy,
+        cp_async_load,
         cta_barrier,
         fence_async_shared,
         gl,
@@ -68,9 +55,13 @@ if HAVE_GLUON:
     )
 
 BLOCK_H = 64  # heads per program: the M of one wgmma
-BLOCK_N = 64  # latent rows per tile = one page of a 64-token cache block
-LATENT, ROPE = 512, 64  # the widths whose shared-memory budget was sized
-NUM_STAGES = 2  # ring slots: two [64, 576] tiles + the query fill the SM
+BLOCK_N = 64  # the launcher's tile: splits are whole 64-row spans (one page each)
+TILE_N = 64  # rows per ring slot: one page
+LATENT, ROPE = 512, 64
+NUM_STAGES = 2
+PRODUCER_REGS = 96
+CONSUMER_REGS = 168  # the second consumer's (its output half only); the first gets the rest
+MAXNREG = 168  # 12 warps at launch: 65536 / 384, rounded down to a multiple of 8
 
 
 def supports(
@@ -78,7 +69,8 @@ def supports(
 ) -> bool:
     """Whether this kernel can run the call: Gluon present, a Hopper GPU
     (not the interpreter), 16-bit floats, DeepSeek's widths, whole 64-head
-    blocks and whole pages through TMA (`paged`: kernels/mla/triton.py's pages_by_tma)."""
+    blocks and whole pages through TMA (`paged`: kernels/mla/triton.py's
+    pages_by_tma)."""
     if not HAVE_GLUON or _compile_failed or q_latent.device.type != "cuda":
         return False
     num_heads, latent_dim = q_latent.shape[1], q_latent.shape[2]
@@ -94,16 +86,170 @@ def supports(
 
 
 if HAVE_GLUON:
+    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
-    def _issue_tile(lat_desc, rope_desc, bt_row, n, bar, lat_buf, rope_buf, pred,
-                    BLOCK_SIZE: gl.constexpr):  # fmt: skip
-        """TMA copies of context rows n .. n + BLOCK_N (one page) into a ring
-        slot, completing on `bar`; nothing at all when `pred` is False."""
-        row = gl.load(bt_row + n // BLOCK_SIZE, mask=pred, other=0) * BLOCK_SIZE + n % BLOCK_SIZE
-        mbarrier.expect(bar, lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
-        tma_load(lat_desc, [row, 0], bar, lat_buf, pred=pred)
-        tma_load(rope_desc, [row, 0], bar, rope_buf, pred=pred)
+    def _produce(
+        q_lat_ptr, q_rope_ptr, seq, head_block, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+        lat_desc, rope_desc, bt_row, start, num_tiles, q_smem, qr_smem, q_full, lat_ring,
+        rope_ring, full, empty,
+        LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, TILE_N: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+    ):  # fmt: skip
+        """The query (cp.async, arriving on q_full), then each tile's page
+        lookup and, once both consumers have released its slot, its TMA
+        copies (arriving on the slot's `full` with their byte count)."""
+        num_stages: gl.constexpr = lat_ring.type.shape[0]
+        l_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, l_layout))
+        cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, l_layout))
+        cp_async_load(q_smem, q_lat_ptr + seq * stride_qlb + heads[:, None] * stride_qlh
+                      + cols[None, :])  # fmt: skip
+        heads_r = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, r_layout))
+        cols_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, r_layout))
+        cp_async_load(qr_smem, q_rope_ptr + seq * stride_qrb + heads_r[:, None] * stride_qrh
+                      + cols_r[None, :])  # fmt: skip
+        async_copy.mbarrier_arrive(q_full, increment_count=False)
+        for t in range(num_tiles):
+            slot = t % num_stages
+            n = start + t * TILE_N
+            row = gl.load(bt_row + n // BLOCK_SIZE) * BLOCK_SIZE + n % BLOCK_SIZE
+            mbarrier.wait(empty.index(slot), ((t // num_stages) & 1) ^ 1)
+            mbarrier.expect(
+                full.index(slot), lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
+            )
+            tma_load(lat_desc, [row, 0], full.index(slot), lat_ring.index(slot))
+            tma_load(rope_desc, [row, 0], full.index(slot), rope_ring.index(slot))
+
+    @gluon.jit
+    def _zero_dead_rows(lat, n0, end, TILE_N: gl.constexpr, LATENT: gl.constexpr):
+        """Rows n0 + i >= end of a landed page set to 0, a quarter of the
+        columns at a time (the whole page would take 128 more registers a
+        thread)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        live = (n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, layout))) < end
+        for c in gl.static_range(4):
+            part = lat.slice(c * (LATENT // 4), LATENT // 4, dim=1)
+            tile = part.load(layout)
+            part.store(gl.where(live[:, None], tile, gl.zeros_like(tile)))
+        fence_async_shared()
+        cta_barrier()
+
+    @gluon.jit
+    def _score(
+        q_smem, qr_smem, q_full, lat_ring, rope_ring, full, empty, p_smem, alpha_smem, m_smem,
+        l_smem, ready, pfree, done, qk_scale, start, end, num_tiles, seq, head_block, num_heads,
+        out_ptr, part_out_ptr, part_lse_ptr, num_splits, split, stride_ob, stride_oh,
+        LATENT: gl.constexpr, BLOCK_H: gl.constexpr, TILE_N: gl.constexpr, DIRECT: gl.constexpr,
+    ):  # fmt: skip
+        """The first consumer: every tile's scores and softmax, P and alpha
+        published, output columns [0, L/2)."""
+        HALF: gl.constexpr = LATENT // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        num_stages: gl.constexpr = lat_ring.type.shape[0]
+        acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+        s_zero = gl.zeros([BLOCK_H, TILE_N], gl.float32, s_layout)
+        cols = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+        mbarrier.wait(q_full, 0)
+        fence_async_shared()  # the query came through cp.async; the wgmmas read it
+        for t in range(num_tiles):
+            slot = t % num_stages
+            mbarrier.wait(full.index(slot), (t // num_stages) & 1)
+            lat = lat_ring.index(slot)
+            n0 = start + t * TILE_N
+            if n0 + TILE_N > end:  # the split's partial last page
+                _zero_dead_rows(lat, n0, end, TILE_N, LATENT)
+            s = warpgroup_mma(q_smem, lat.permute((1, 0)), s_zero, use_acc=False)
+            s = warpgroup_mma(qr_smem, rope_ring.index(slot).permute((1, 0)), s)
+            s = gl.where((n0 + cols < end)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            # P and alpha are free once the second consumer has read tile t - 1's.
+            mbarrier.wait(pfree, (t - 1) & 1, pred=t > 0)
+            p_smem.store(p.to(p_smem.dtype))
+            alpha_smem.store(alpha)
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(ready, count=1)
+            acc = acc * alpha_smem.load(row_o)[:, None]
+            acc = warpgroup_mma(p_smem, lat.slice(0, HALF, dim=1), acc)
+            cta_barrier()  # every warp's share of the product has read the slot
+            mbarrier.arrive(empty.index(slot), count=1)
+        m_smem.store(m_i)
+        l_smem.store(l_i)
+        cta_barrier()
+        mbarrier.arrive(done, count=1)
+        _write_half(acc, m_smem.load(row_o), l_smem.load(row_o), seq, head_block, num_heads,
+                    out_ptr, part_out_ptr, part_lse_ptr, num_splits, split, stride_ob, stride_oh,
+                    0, LATENT, BLOCK_H, DIRECT)  # fmt: skip
+
+    @gluon.jit
+    def _apply_half(
+        lat_ring, full, empty, p_smem, alpha_smem, m_smem, l_smem, ready, pfree, done,
+        num_tiles, seq, head_block, num_heads, out_ptr, part_out_ptr, part_lse_ptr, num_splits,
+        split, stride_ob, stride_oh,
+        LATENT: gl.constexpr, BLOCK_H: gl.constexpr, DIRECT: gl.constexpr,
+    ):  # fmt: skip
+        """The second consumer: every tile's P applied to output columns
+        [L/2, L)."""
+        HALF: gl.constexpr = LATENT // 2
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        num_stages: gl.constexpr = lat_ring.type.shape[0]
+        acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+        for t in range(num_tiles):
+            slot = t % num_stages
+            mbarrier.wait(full.index(slot), (t // num_stages) & 1)
+            mbarrier.wait(ready, t & 1)
+            fence_async_shared()
+            acc = acc * alpha_smem.load(row_o)[:, None]
+            acc = warpgroup_mma(p_smem, lat_ring.index(slot).slice(HALF, HALF, dim=1), acc)
+            cta_barrier()  # every warp's share of the product has read P and the slot
+            mbarrier.arrive(pfree, count=1)
+            mbarrier.arrive(empty.index(slot), count=1)
+        mbarrier.wait(done, 0)
+        _write_half(acc, m_smem.load(row_o), l_smem.load(row_o), seq, head_block, num_heads,
+                    out_ptr, part_out_ptr, part_lse_ptr, num_splits, split, stride_ob, stride_oh,
+                    1, LATENT, BLOCK_H, DIRECT)  # fmt: skip
+
+    @gluon.jit
+    def _write_half(
+        acc, m_o, l_o, seq, head_block, num_heads, out_ptr, part_out_ptr, part_lse_ptr,
+        num_splits, split, stride_ob, stride_oh,
+        W: gl.constexpr, LATENT: gl.constexpr, BLOCK_H: gl.constexpr, DIRECT: gl.constexpr,
+    ):  # fmt: skip
+        """Output half W of the program: `out` (DIRECT) or the split's
+        partial, the first half also writing its log2-sum-exp."""
+        HALF: gl.constexpr = LATENT // 2
+        o_layout: gl.constexpr = acc.type.layout
+        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        if DIRECT:
+            # l == 0 only for an empty context (seq_len 0, a padding row): output 0.
+            out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+            cols_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+            o_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh
+            gl.store(o_rows + cols_o[None, :], out.to(out_ptr.dtype.element_ty))
+        else:
+            part_idx = (seq * num_heads + heads).to(gl.int64) * num_splits + split
+            write_partial(acc, m_o, l_o, part_out_ptr, part_lse_ptr, part_idx, W * HALF, LATENT,
+                          W == 0)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_splits"])  # one compile for any split count
     def _mla_split_gluon(
@@ -112,108 +258,81 @@ if HAVE_GLUON:
         qk_scale, num_splits, num_heads,
         stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_bt, stride_ob, stride_oh,
         LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
+        TILE_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
-        """Grid (H / BLOCK_H, B, num_splits), 8 warps; the same outputs as
-        kernels/mla/split.py's _mla_split_kernel (DIRECT: `out`; else the partials and
-        log2-sum-exps the reduce merges; an empty split writes lse = -inf)."""
+        """Grid (H / BLOCK_H, B, num_splits); 4 warps here (the first
+        consumer) and two 4-warp workers (the second consumer, the
+        producer). The outputs of kernels/mla/split.py's _mla_split_kernel
+        (DIRECT: `out`; else the partials and log2-sum-exps the reduce
+        merges; an empty split writes lse = -inf)."""
         dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, LATENT // 2, 16]
-        )
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LATENT], dtype)
-        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
-
         head_block = gl.program_id(0)
-        seq = gl.program_id(1)
+        seq = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
         seq_len = gl.load(seq_lens_ptr + seq)
         start, end = split_range(seq_len, num_splits, split, BLOCK_N)
-        heads_o = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-        part_idx = (seq * num_heads + heads_o).to(gl.int64) * num_splits + split
         if not DIRECT:
             if start >= end:
-                write_empty_split(part_lse_ptr, part_idx)
+                lse_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+                heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=lse_layout)
+                write_empty_split(part_lse_ptr, (seq * num_heads + heads) * num_splits + split)
                 return
+        num_tiles = gl.cdiv(end - start, TILE_N)
+        bt_row = block_tables_ptr + seq * stride_bt
 
-        # The query's loads go out first and the first tile's copy is issued
-        # before they are used: the block-table read, the copy and the query
-        # read overlap instead of following each other (at batch 1 a program
-        # walks two tiles, so this latency is much of its time).
-        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows_layout))
-        offs_l = gl.arange(0, LATENT, layout=gl.SliceLayout(0, rows_layout))
-        offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rows_layout))
-        q = gl.load(q_lat_ptr + seq.to(gl.int64) * stride_qlb + heads[:, None] * stride_qlh
-                    + offs_l[None, :])  # fmt: skip
-        qr = gl.load(q_rope_ptr + seq.to(gl.int64) * stride_qrb + heads[:, None] * stride_qrh
-                     + offs_r[None, :])  # fmt: skip
-        lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], lat_desc.layout)
-        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], rope_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LATENT], dtype)
+        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N], dtype)
+        stat_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], q_sl)
+        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_sl)
+        lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE_N, LATENT], lat_desc.layout)
+        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE_N, ROPE], rope_desc.layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, TILE_N], p_sl)
+        alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_sl)
+        m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_sl)
+        l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_sl)
+        q_full = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+        full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
+        ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+        pfree = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+        done = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+        mbarrier.init(q_full, count=128)  # the producer's threads (cp.async arrivals)
         for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(bars.index(i), count=1)
+            mbarrier.init(full.index(i), count=1)  # the expect-tx arrival; TMA adds the bytes
+            mbarrier.init(empty.index(i), count=2)  # one per output half
+        mbarrier.init(ready, count=1)
+        mbarrier.init(pfree, count=1)
+        mbarrier.init(done, count=1)
         fence_async_shared()
 
-        bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
-        num_tiles = gl.cdiv(end - start, BLOCK_N)
-        for i in gl.static_range(NUM_STAGES - 1):
-            _issue_tile(
-                lat_desc, rope_desc, bt_row, start + i * BLOCK_N, bars.index(i),
-                lat_ring.index(i), rope_ring.index(i), i < num_tiles, BLOCK_SIZE,
-            )  # fmt: skip
-        # The query block into shared memory: the A operand of the QK wgmma
-        # (the loop's first CTA barrier orders these stores before it).
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], q_sl, q)
-        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_sl, qr)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
-        fence_async_shared()
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_H, LATENT], gl.float32, o_layout)
-        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        for t in range(num_tiles):
-            # Every warp is done with tile t - 1 (its ring slot, p_smem), so
-            # the slot takes tile t + NUM_STAGES - 1 now.
-            cta_barrier()
-            ahead = t + NUM_STAGES - 1
-            ring = ahead % NUM_STAGES
-            _issue_tile(
-                lat_desc, rope_desc, bt_row, start + ahead * BLOCK_N, bars.index(ring),
-                lat_ring.index(ring), rope_ring.index(ring), ahead < num_tiles, BLOCK_SIZE,
-            )  # fmt: skip
-            slot = t % NUM_STAGES
-            mbarrier.wait(bars.index(slot), (t // NUM_STAGES) & 1)
-            lat = lat_ring.index(slot)
-            n0 = start + t * BLOCK_N
-            if n0 + BLOCK_N > end:  # the partial last tile: zero its dead rows
-                live = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))) < end
-                tile = lat.load(rows_layout)
-                lat.store(gl.where(live[:, None], tile, gl.zeros_like(tile)))
-                fence_async_shared()
-                cta_barrier()
-            s = warpgroup_mma(q_smem, lat.permute((1, 0)), s_zero, use_acc=False)
-            s = warpgroup_mma(qr_smem, rope_ring.index(slot).permute((1, 0)), s)
-            s = gl.where((n0 + cols < end)[None, :], s * qk_scale, float("-inf"))
-            acc, m_i, l_i = softmax_pv(s, m_i, l_i, acc, p_smem, lat)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.invalidate(bars.index(i))
-
-        if DIRECT:
-            # l_i == 0 only for an empty context (seq_len 0, a padding row): output 0.
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-            cols_o = gl.arange(0, LATENT, layout=gl.SliceLayout(0, o_layout))
-            o_rows = out_ptr + seq.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh
-            gl.store(o_rows + cols_o[None, :], out.to(out_ptr.dtype.element_ty))
-        else:
-            write_partial(acc, m_i, l_i, part_out_ptr, part_lse_ptr, part_idx, 0, LATENT, True)
+        gl.warp_specialize(
+            [
+                (_score, (
+                    q_smem, qr_smem, q_full, lat_ring, rope_ring, full, empty, p_smem,
+                    alpha_smem, m_smem, l_smem, ready, pfree, done, qk_scale, start, end,
+                    num_tiles, seq, head_block, num_heads, out_ptr, part_out_ptr, part_lse_ptr,
+                    num_splits, split, stride_ob, stride_oh, LATENT, BLOCK_H, TILE_N, DIRECT,
+                )),
+                (_apply_half, (
+                    lat_ring, full, empty, p_smem, alpha_smem, m_smem, l_smem, ready, pfree,
+                    done, num_tiles, seq, head_block, num_heads, out_ptr, part_out_ptr,
+                    part_lse_ptr, num_splits, split, stride_ob, stride_oh, LATENT, BLOCK_H,
+                    DIRECT,
+                )),
+                (_produce, (
+                    q_lat_ptr, q_rope_ptr, seq, head_block, stride_qlb, stride_qlh, stride_qrb,
+                    stride_qrh, lat_desc, rope_desc, bt_row, start, num_tiles, q_smem, qr_smem,
+                    q_full, lat_ring, rope_ring, full, empty,
+                    LATENT, ROPE, BLOCK_H, TILE_N, BLOCK_SIZE,
+                )),
+            ],
+            [4, 4],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )  # fmt: skip
 
 
 _compile_failed: list[str] = []  # the first compile error, once one happened
@@ -224,7 +343,7 @@ def launch_split(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, qk_scale: float, num_splits: int,
     out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
 ) -> None:  # fmt: skip
-    """The split kernel over a cache `supports` accepted; qk_scale is in
+    """The split kernel over a call `supports` accepted; qk_scale is in
     log2 units (scale * log2(e)). Descriptors: the cache viewed as [rows, L]
     and [rows, R], 128-byte swizzled tiles of one page."""
     num_seqs, num_heads, _ = q_latent.shape
@@ -233,10 +352,10 @@ def launch_split(
     bits = latent_cache.element_size() * 8
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
     lat_desc = TensorDescriptor(
-        latent_cache[..., :LATENT], [rows, LATENT], [row_stride, 1], [BLOCK_N, LATENT], layout
+        latent_cache[..., :LATENT], [rows, LATENT], [row_stride, 1], [TILE_N, LATENT], layout
     )
     rope_desc = TensorDescriptor(
-        latent_cache[..., LATENT:], [rows, ROPE], [row_stride, 1], [BLOCK_N, ROPE], layout
+        latent_cache[..., LATENT:], [rows, ROPE], [row_stride, 1], [TILE_N, ROPE], layout
     )
     grid = (triton.cdiv(num_heads, BLOCK_H), num_seqs, num_splits)
     args = (
@@ -245,9 +364,11 @@ def launch_split(
         q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
     consts = dict(
-        LATENT=LATENT, ROPE=ROPE, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size,
-        DIRECT=num_splits == 1, NUM_STAGES=NUM_STAGES,
+        LATENT=LATENT, ROPE=ROPE, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, TILE_N=TILE_N,
+        BLOCK_SIZE=block_size, DIRECT=num_splits == 1, NUM_STAGES=NUM_STAGES,
     )  # fmt: skip
     launch_or_give_up(
-        lambda: _mla_split_gluon[grid](*args, **consts, num_warps=8), "MLA decode", _compile_failed
+        lambda: _mla_split_gluon[grid](*args, **consts, num_warps=4, maxnreg=MAXNREG),
+        "MLA decode",
+        _compile_failed,
     )
