@@ -55,8 +55,7 @@ if HAVE_GLUON:
     )
 
 BLOCK_H = 64  # heads per program: the M of one wgmma
-BLOCK_N = 64  # the launcher's tile: splits are whole 64-row spans (one page each)
-TILE_N = 64  # rows per ring slot: one page
+BLOCK_N = 64  # latent rows per tile = one page of a 64-token cache block
 LATENT, ROPE = 512, 64
 NUM_STAGES = 2
 PRODUCER_REGS = 96
@@ -94,7 +93,7 @@ if HAVE_GLUON:
         q_lat_ptr, q_rope_ptr, seq, head_block, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
         lat_desc, rope_desc, bt_row, start, num_tiles, q_smem, qr_smem, q_full, lat_ring,
         rope_ring, full, empty,
-        LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, TILE_N: gl.constexpr,
+        LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_SIZE: gl.constexpr,
     ):  # fmt: skip
         """The query (cp.async, arriving on q_full), then each tile's page
@@ -114,7 +113,7 @@ if HAVE_GLUON:
         async_copy.mbarrier_arrive(q_full, increment_count=False)
         for t in range(num_tiles):
             slot = t % num_stages
-            n = start + t * TILE_N
+            n = start + t * BLOCK_N
             row = gl.load(bt_row + n // BLOCK_SIZE) * BLOCK_SIZE + n % BLOCK_SIZE
             mbarrier.wait(empty.index(slot), ((t // num_stages) & 1) ^ 1)
             mbarrier.expect(
@@ -124,12 +123,12 @@ if HAVE_GLUON:
             tma_load(rope_desc, [row, 0], full.index(slot), rope_ring.index(slot))
 
     @gluon.jit
-    def _zero_dead_rows(lat, n0, end, TILE_N: gl.constexpr, LATENT: gl.constexpr):
+    def _zero_dead_rows(lat, n0, end, BLOCK_N: gl.constexpr, LATENT: gl.constexpr):
         """Rows n0 + i >= end of a landed page set to 0, a quarter of the
         columns at a time (the whole page would take 128 more registers a
         thread)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        live = (n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, layout))) < end
+        live = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))) < end
         for c in gl.static_range(4):
             part = lat.slice(c * (LATENT // 4), LATENT // 4, dim=1)
             tile = part.load(layout)
@@ -142,13 +141,13 @@ if HAVE_GLUON:
         q_smem, qr_smem, q_full, lat_ring, rope_ring, full, empty, p_smem, alpha_smem, m_smem,
         l_smem, ready, pfree, done, qk_scale, start, end, num_tiles, seq, head_block, num_heads,
         out_ptr, part_out_ptr, part_lse_ptr, num_splits, split, stride_ob, stride_oh,
-        LATENT: gl.constexpr, BLOCK_H: gl.constexpr, TILE_N: gl.constexpr, DIRECT: gl.constexpr,
+        LATENT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr,
     ):  # fmt: skip
         """The first consumer: every tile's scores and softmax, P and alpha
         published, output columns [0, L/2)."""
         HALF: gl.constexpr = LATENT // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
@@ -157,8 +156,8 @@ if HAVE_GLUON:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         num_stages: gl.constexpr = lat_ring.type.shape[0]
         acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
-        s_zero = gl.zeros([BLOCK_H, TILE_N], gl.float32, s_layout)
-        cols = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
         mbarrier.wait(q_full, 0)
@@ -167,9 +166,9 @@ if HAVE_GLUON:
             slot = t % num_stages
             mbarrier.wait(full.index(slot), (t // num_stages) & 1)
             lat = lat_ring.index(slot)
-            n0 = start + t * TILE_N
-            if n0 + TILE_N > end:  # the split's partial last page
-                _zero_dead_rows(lat, n0, end, TILE_N, LATENT)
+            n0 = start + t * BLOCK_N
+            if n0 + BLOCK_N > end:  # the split's partial last page
+                _zero_dead_rows(lat, n0, end, BLOCK_N, LATENT)
             s = warpgroup_mma(q_smem, lat.permute((1, 0)), s_zero, use_acc=False)
             s = warpgroup_mma(qr_smem, rope_ring.index(slot).permute((1, 0)), s)
             s = gl.where((n0 + cols < end)[None, :], s * qk_scale, float("-inf"))
@@ -258,7 +257,7 @@ if HAVE_GLUON:
         qk_scale, num_splits, num_heads,
         stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_bt, stride_ob, stride_oh,
         LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        TILE_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
         NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         """Grid (H / BLOCK_H, B, num_splits); 4 warps here (the first
@@ -278,19 +277,19 @@ if HAVE_GLUON:
                 heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=lse_layout)
                 write_empty_split(part_lse_ptr, (seq * num_heads + heads) * num_splits + split)
                 return
-        num_tiles = gl.cdiv(end - start, TILE_N)
+        num_tiles = gl.cdiv(end - start, BLOCK_N)
         bt_row = block_tables_ptr + seq * stride_bt
 
         q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LATENT], dtype)
         qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N], dtype)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
         stat_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         bar_l: gl.constexpr = mbarrier.MBarrierLayout()
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LATENT], q_sl)
         qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qr_sl)
-        lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE_N, LATENT], lat_desc.layout)
-        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE_N, ROPE], rope_desc.layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, TILE_N], p_sl)
+        lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], lat_desc.layout)
+        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], rope_desc.layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
         alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_sl)
         m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_sl)
         l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stat_sl)
@@ -315,7 +314,7 @@ if HAVE_GLUON:
                     q_smem, qr_smem, q_full, lat_ring, rope_ring, full, empty, p_smem,
                     alpha_smem, m_smem, l_smem, ready, pfree, done, qk_scale, start, end,
                     num_tiles, seq, head_block, num_heads, out_ptr, part_out_ptr, part_lse_ptr,
-                    num_splits, split, stride_ob, stride_oh, LATENT, BLOCK_H, TILE_N, DIRECT,
+                    num_splits, split, stride_ob, stride_oh, LATENT, BLOCK_H, BLOCK_N, DIRECT,
                 )),
                 (_apply_half, (
                     lat_ring, full, empty, p_smem, alpha_smem, m_smem, l_smem, ready, pfree,
@@ -327,7 +326,7 @@ if HAVE_GLUON:
                     q_lat_ptr, q_rope_ptr, seq, head_block, stride_qlb, stride_qlh, stride_qrb,
                     stride_qrh, lat_desc, rope_desc, bt_row, start, num_tiles, q_smem, qr_smem,
                     q_full, lat_ring, rope_ring, full, empty,
-                    LATENT, ROPE, BLOCK_H, TILE_N, BLOCK_SIZE,
+                    LATENT, ROPE, BLOCK_H, BLOCK_N, BLOCK_SIZE,
                 )),
             ],
             [4, 4],
@@ -352,10 +351,10 @@ def launch_split(
     bits = latent_cache.element_size() * 8
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
     lat_desc = TensorDescriptor(
-        latent_cache[..., :LATENT], [rows, LATENT], [row_stride, 1], [TILE_N, LATENT], layout
+        latent_cache[..., :LATENT], [rows, LATENT], [row_stride, 1], [BLOCK_N, LATENT], layout
     )
     rope_desc = TensorDescriptor(
-        latent_cache[..., LATENT:], [rows, ROPE], [row_stride, 1], [TILE_N, ROPE], layout
+        latent_cache[..., LATENT:], [rows, ROPE], [row_stride, 1], [BLOCK_N, ROPE], layout
     )
     grid = (triton.cdiv(num_heads, BLOCK_H), num_seqs, num_splits)
     args = (
@@ -364,7 +363,7 @@ def launch_split(
         q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
     consts = dict(
-        LATENT=LATENT, ROPE=ROPE, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, TILE_N=TILE_N,
+        LATENT=LATENT, ROPE=ROPE, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, DIRECT=num_splits == 1, NUM_STAGES=NUM_STAGES,
     )  # fmt: skip
     launch_or_give_up(
