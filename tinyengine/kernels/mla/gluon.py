@@ -189,6 +189,9 @@ if HAVE_GLUON:
             acc = warpgroup_mma(p_smem, lat.slice(0, HALF, dim=1), acc)
             cta_barrier()  # every warp's share of the product has read the slot
             mbarrier.arrive(empty.index(slot), count=1)
+        # The final (max, sum) go through shared memory for both consumers,
+        # which read them in the output's layout: a convert_layout would want
+        # scratch the full shared memory does not have.
         m_smem.store(m_i)
         l_smem.store(l_i)
         cta_barrier()
@@ -215,6 +218,8 @@ if HAVE_GLUON:
         acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
         for t in range(num_tiles):
             slot = t % num_stages
+            # `ready` implies the page landed; the wait on `full` is what makes
+            # the TMA's writes visible to this warpgroup's wgmma.
             mbarrier.wait(full.index(slot), (t // num_stages) & 1)
             mbarrier.wait(ready, t & 1)
             fence_async_shared()

@@ -62,10 +62,10 @@ program need a [128, 512] fp32 accumulator (256 registers per thread at 8
 warps); a deferred PV (tile i's PV in iteration i + 1, its rows re-read from
 L2) is slower than the chained loop (docs/benchmarks.md). So on Hopper the
 64-head, 64-row TMA tile runs kernels/mla/gluon.py instead, written in Gluon
-with explicit layouts: the warpgroups split the QK columns and hand the
-softmax weights over through shared memory, which does the MMA work once and
-is about 1.4x faster at 128 heads (docs/benchmarks.md, MLA decode in Gluon). This
-kernel serves every other shape, dtype and GPU, and the CPU tests.
+with explicit layouts and warp roles: one warpgroup scores whole tiles and
+hands the softmax weights to both warpgroups' PV products through shared
+memory, so the MMA work is done once (docs/kernels.md). This kernel serves
+every other shape, dtype and GPU, and the CPU tests.
 
 Tunables (defaults set from that sweep, which times a grid of them per shape
 and prints the heuristic's pick next to the best), in kernels/mla/tiles.py:
