@@ -27,6 +27,22 @@ def test_a_compile_error_is_recorded_and_raised():
     launch_or_give_up(lambda: None, "test", failed)  # a launch that works raises nothing
 
 
+def test_a_failed_pass_pipeline_is_a_compile_error_and_a_fault_is_not():
+    failed: list[str] = []
+
+    def pipeline_fails():
+        raise RuntimeError("PassManager::run failed")
+
+    def faults():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(GluonUnavailable, match="PassManager"):
+        launch_or_give_up(pipeline_fails, "test", failed)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        launch_or_give_up(faults, "test", failed)
+    assert failed == ["PassManager::run failed"]
+
+
 def test_the_sparse_kernel_gives_up_for_good(monkeypatch):
     class Kernel:
         def __getitem__(self, grid):

@@ -1,7 +1,9 @@
 """Pieces of the Gluon split-KV decode kernels (kernels/mla/gluon.py,
 kernels/sparse_attention/gluon.py): where a split's whole tiles start and
 end, what an empty split writes, and a split's normalised partial, written
-by each warpgroup for the output columns it holds.
+by each warpgroup for the output columns it holds; and, shared with the
+prefill kernel (kernels/attention/gluon.py), the zeroing of a landed page's
+rows past the context.
 """
 
 from __future__ import annotations
@@ -10,9 +12,31 @@ from tinyengine.kernels.gluon_support import HAVE_GLUON
 
 if HAVE_GLUON:
     from tinyengine.kernels.gluon_support import (
+        cta_barrier,
+        fence_async_shared,
         gl,
         gluon,
     )
+
+    @gluon.jit
+    def zero_dead_rows(tile, n0, end):
+        """Rows n0 + i >= end of a tile landed in shared memory set to 0, a
+        quarter of the columns at a time (the whole tile would take as many
+        registers again as a thread holds). Such rows may hold anything (a
+        slot never written), and 0 x NaN is NaN in a P @ V product. Fenced
+        for the wgmmas that read the tile next; every warp of the calling
+        partition has stored its share on return."""
+        ROWS: gl.constexpr = tile.type.shape[0]
+        COLS: gl.constexpr = tile.type.shape[1] // 4
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8],
+                                                [gl.num_warps(), 1], [1, 0])  # fmt: skip
+        live = (n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))) < end
+        for c in gl.static_range(4):
+            part = tile.slice(c * COLS, COLS, dim=1)
+            vals = part.load(layout)
+            part.store(gl.where(live[:, None], vals, gl.zeros_like(vals)))
+        fence_async_shared()
+        cta_barrier()
 
     @gluon.jit
     def split_range(total, num_splits, split, BLOCK_N: gl.constexpr):

@@ -26,6 +26,8 @@ try:
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -44,7 +46,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 __all__ = [
     "HAVE_GLUON", "GluonUnavailable", "TensorDescriptor", "async_copy", "cp_async_load",
     "cta_barrier", "fence_async_shared", "gl", "gluon", "is_hopper", "launch_or_give_up",
-    "mbarrier", "tma_load", "warpgroup_mma",
+    "mbarrier", "tma_load", "warpgroup_mma", "warpgroup_mma_init",
+    "warpgroup_mma_wait",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -66,10 +69,14 @@ def launch_or_give_up(launch: Callable[[], None], what: str, failed: list[str]) 
     """Run `launch`, one Gluon kernel's launch. A compile error (compiles
     happen at warmup, before any graph capture) is recorded in `failed`, the
     kernel's own list, which its `supports` reads; logged; and raised as
-    GluonUnavailable."""
+    GluonUnavailable. A compile error is the front end's CompilationError or
+    a failed MLIR pass pipeline further down (a RuntimeError naming the
+    PassManager); any other error, a CUDA fault included, propagates."""
     try:
         launch()
-    except CompilationError as err:
+    except (CompilationError, RuntimeError) as err:
+        if not isinstance(err, CompilationError) and "PassManager" not in str(err):
+            raise
         failed.append(str(err).splitlines()[-1] if str(err) else type(err).__name__)
         logger.warning(
             "the Gluon %s kernel does not compile with triton %s (%s); "

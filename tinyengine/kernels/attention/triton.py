@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import triton
 
+import tinyengine.kernels.attention.gluon as prefill_gluon
 from tinyengine.kernels.attention.cache_write import write_kv_cache_triton
 from tinyengine.kernels.attention.kernels import (
     _decode_reduce_kernel,
@@ -46,6 +47,7 @@ from tinyengine.kernels.attention.tiles import (
     decode_num_splits,
     prefill_config,
 )
+from tinyengine.kernels.gluon_support import GluonUnavailable
 from tinyengine.kernels.launch import (
     LOG2E,
     dot_precision,
@@ -138,6 +140,14 @@ def prefill_attention(
     if num_seqs == 0 or max_query_len == 0:
         return
     head_dim_k, head_dim_v = q.shape[2], v_cache.shape[3]
+    overridden = any(x is not None for x in (block_m, block_n, num_warps, num_stages))
+    if not overridden and prefill_gluon.supports(q, k_cache, v_cache, max_query_len):
+        try:  # Hopper, long prefills: the warp-specialized kernel (attention/gluon.py)
+            prefill_gluon.launch(q, k_cache, v_cache, out, block_tables, query_start_loc,
+                                 seq_lens, scale * LOG2E)  # fmt: skip
+            return
+        except GluonUnavailable:
+            pass
     cfg_m, cfg_n, cfg_warps, cfg_stages = prefill_config(
         head_dim_k, max_query_len, group, q.element_size()
     )

@@ -40,7 +40,12 @@ import triton
 from tinyengine.kernels.gluon_support import HAVE_GLUON, is_hopper, launch_or_give_up
 
 if HAVE_GLUON:
-    from tinyengine.kernels.gluon_split import split_range, write_empty_split, write_partial
+    from tinyengine.kernels.gluon_split import (
+        split_range,
+        write_empty_split,
+        write_partial,
+        zero_dead_rows,
+    )
     from tinyengine.kernels.gluon_support import (
         TensorDescriptor,
         async_copy,
@@ -123,20 +128,6 @@ if HAVE_GLUON:
             tma_load(rope_desc, [row, 0], full.index(slot), rope_ring.index(slot))
 
     @gluon.jit
-    def _zero_dead_rows(lat, n0, end, BLOCK_N: gl.constexpr, LATENT: gl.constexpr):
-        """Rows n0 + i >= end of a landed page set to 0, a quarter of the
-        columns at a time (the whole page would take 128 more registers a
-        thread)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        live = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))) < end
-        for c in gl.static_range(4):
-            part = lat.slice(c * (LATENT // 4), LATENT // 4, dim=1)
-            tile = part.load(layout)
-            part.store(gl.where(live[:, None], tile, gl.zeros_like(tile)))
-        fence_async_shared()
-        cta_barrier()
-
-    @gluon.jit
     def _score(
         q_smem, qr_smem, q_full, lat_ring, rope_ring, full, empty, p_smem, alpha_smem, m_smem,
         l_smem, ready, pfree, done, qk_scale, start, end, num_tiles, seq, head_block, num_heads,
@@ -168,7 +159,7 @@ if HAVE_GLUON:
             lat = lat_ring.index(slot)
             n0 = start + t * BLOCK_N
             if n0 + BLOCK_N > end:  # the split's partial last page
-                _zero_dead_rows(lat, n0, end, BLOCK_N, LATENT)
+                zero_dead_rows(lat, n0, end)
             s = warpgroup_mma(q_smem, lat.permute((1, 0)), s_zero, use_acc=False)
             s = warpgroup_mma(qr_smem, rope_ring.index(slot).permute((1, 0)), s)
             s = gl.where((n0 + cols < end)[None, :], s * qk_scale, float("-inf"))

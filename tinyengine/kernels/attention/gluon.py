@@ -1,0 +1,339 @@
+"""Paged causal prefill attention for Hopper in Gluon, warp-specialized in
+the manner of FlashAttention-3: a producer warp copies the query tile once
+and each 128-key tile of K and V page by page (TMA) into a two-slot ring;
+two consumer warpgroups, each owning 64 of the tile's 128 query rows, run
+the QK^T and PV wgmmas and the online softmax in between. The same outputs
+as kernels/attention/kernels.py's `_prefill_kernel` (up to the online
+softmax's order of tiles); kernels/attention/triton.py picks this kernel for
+long prefills where `supports` says yes.
+
+Why two consumer partitions and not one 8-warp one: each warpgroup waits
+only for its own MMAs and releases a ring slot on its own (`empty` counts
+both), so while one runs its softmax (exp2, row max and sum) the other's
+MMAs keep the tensor cores busy; the warp schedulers interleave them with
+no barrier between the two.
+
+Per consumer and key tile j (slot j % 2): wait `full`; S = Q K_j^T (async,
+then waiting for it and for the previous tile's PV); release the previous
+slot; mask (keys past a row's position, on the diagonal tiles only); the
+online softmax in the log2 domain; O = O * alpha + P V_j with P from
+registers (async: it runs while the loop waits for the next tile).
+
+Pages: a 128-key tile is 128 / block_size pages, each one TMA box per
+operand from a descriptor over the cache viewed as [blocks * block_size,
+kv_heads * head_dim]. Rows past the sequence's end may hold anything (a
+slot not yet written, a page the block table does not name: the producer
+then copies block 0), and 0 x NaN is NaN in the PV product, so on a tile
+that reaches past the end the first consumer zeroes those V rows in shared
+memory and signals `zeroed` before either consumer applies P (their scores
+are masked to -inf, which `where` makes exact whatever K holds).
+
+Grid (query heads, q tiles); the GPU starts programs head fastest, so the
+heads sharing a KV head read its tiles at about the same time (L2 hits),
+and tiles run heaviest first (a prompt's last tiles see the most keys).
+Query rows past their sequence are the next sequence's rows or TMA's zero
+fill: their position is clamped to the last live row's (finite scores) and
+they are never stored.
+
+Shared memory: Q 32 KB, two slots of K and V tiles (64 KB each): 160 KB.
+No interpreter runs Gluon: GPU tests compare it with the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from tinyengine.kernels.gluon_support import HAVE_GLUON, is_hopper, launch_or_give_up
+
+if HAVE_GLUON:
+    from tinyengine.kernels.attention.kernels import _find_seq
+    from tinyengine.kernels.gluon_split import zero_dead_rows
+    from tinyengine.kernels.gluon_support import (
+        TensorDescriptor,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        tma_load,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
+BLOCK_M = 128  # query rows a program: 64 a consumer warpgroup (one wgmma M)
+BLOCK_N = 128  # keys a tile
+HEAD_DIM = 128
+NUM_STAGES = 2
+MIN_QUERY_LEN = 128  # shorter prefills (mixed decode batches, short chunks) stay on Triton
+CONSUMER_REGS = 240  # the second consumer's; the first gets the rest
+PRODUCER_REGS = 24
+MAXNREG = 168  # 12 warps at launch (65536 / 384, a multiple of 8)
+
+_compile_failed: list[str] = []
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             max_query_len: int) -> bool:  # fmt: skip
+    """Whether this kernel can run the call: Gluon on a Hopper GPU, 16-bit
+    floats, 128-wide heads, prefills of at least MIN_QUERY_LEN tokens, pages
+    that divide a 128-key tile, and caches whose rows a 2-D descriptor can
+    address (a block's rows evenly strided, 16-byte aligned)."""
+    if not HAVE_GLUON or _compile_failed or q.device.type != "cuda":
+        return False
+    block_size = k_cache.shape[1]
+    return (
+        is_hopper(q.device.index)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and k_cache.dtype == v_cache.dtype == q.dtype
+        and q.shape[2] == k_cache.shape[3] == v_cache.shape[3] == HEAD_DIM
+        and max_query_len >= MIN_QUERY_LEN
+        and 8 <= block_size <= BLOCK_N
+        and BLOCK_N % block_size == 0
+        and all(_rows_ok(t) for t in (q, k_cache, v_cache))
+    )
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """t [..., rows, heads, D] viewable as 2-D [rows, heads * D]: heads and
+    rows evenly strided (blocks abut for a cache), 16-byte aligned."""
+    row_stride = t.stride(-3)
+    flat = t.stride(-2) == t.shape[-1] and t.stride(-1) == 1
+    abut = t.dim() == 3 or t.stride(0) == t.shape[1] * row_stride
+    return flat and abut and t.data_ptr() % 16 == 0 and (row_stride * t.element_size()) % 16 == 0
+
+
+if HAVE_GLUON:
+    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+    _BLOCK_N = gl.constexpr(BLOCK_N)
+
+    @gluon.jit
+    def _tile_of_program(query_start_loc, seq_lens, num_seqs, BLOCK: gl.constexpr):
+        """(live, first query row, query rows, first row's position, keys
+        the tile reads, sequence length, sequence) of this program's q tile."""
+        tile_id = gl.num_programs(1) - 1 - gl.program_id(1)
+        seq = _find_seq(tile_id, query_start_loc, num_seqs, BLOCK)
+        q_start = gl.load(query_start_loc + seq)
+        q_len = gl.load(query_start_loc + seq + 1) - q_start
+        q_tile = tile_id - (q_start // BLOCK + seq)
+        seq_len = gl.load(seq_lens + seq)
+        first_pos = seq_len - q_len + q_tile * BLOCK
+        kv_end = gl.minimum(first_pos + BLOCK, seq_len)
+        live = q_tile * BLOCK < q_len
+        return (
+            live,
+            q_start + q_tile * BLOCK,
+            q_len - q_tile * BLOCK,
+            first_pos,
+            kv_end,
+            seq_len,
+            seq,
+        )
+
+    @gluon.jit
+    def _produce(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_full, full, empty,
+                 bt_row, row0, head, kv_head, kv_end, seq_len,
+                 BLOCK_SIZE: gl.constexpr):  # fmt: skip
+        """The producer warp: the query tile, then each key tile's pages of K
+        and V (block 0 for pages past the sequence's)."""
+        D: gl.constexpr = q_smem.type.shape[1]
+        N: gl.constexpr = k_ring.type.shape[1]
+        stages: gl.constexpr = k_ring.type.shape[0]
+        mbarrier.expect(q_full, q_desc.block_type.nbytes)
+        tma_load(q_desc, [row0, head * D], q_full, q_smem)
+        live_pages = gl.cdiv(seq_len, BLOCK_SIZE)
+        for j in range(gl.cdiv(kv_end, N)):
+            s = j % stages
+            mbarrier.wait(empty.index(s), ((j // stages) & 1) ^ 1)
+            bar = full.index(s)
+            mbarrier.expect(bar, 2 * (N // BLOCK_SIZE) * k_desc.block_type.nbytes)
+            for p in gl.static_range(N // BLOCK_SIZE):
+                page = j * (N // BLOCK_SIZE) + p
+                blk = gl.load(bt_row + page, mask=page < live_pages, other=0)
+                rows = blk * BLOCK_SIZE
+                dst_k = k_ring.index(s).slice(p * BLOCK_SIZE, BLOCK_SIZE, dim=0)
+                dst_v = v_ring.index(s).slice(p * BLOCK_SIZE, BLOCK_SIZE, dim=0)
+                tma_load(k_desc, [rows, kv_head * D], bar, dst_k)
+                tma_load(v_desc, [rows, kv_head * D], bar, dst_v)
+
+    @gluon.jit
+    def _attend(q_smem, k_ring, v_ring, q_full, full, empty, zeroed, out_ptr, stride_ot,
+                stride_oh, row0, q_rows, first_pos, kv_end, seq_len, head, qk_scale,
+                WG: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup WG: query rows [64 WG, 64 WG + 64) of the tile
+        over every key tile, then their normalized output."""
+        HALF: gl.constexpr = q_smem.type.shape[0] // 2
+        D: gl.constexpr = q_smem.type.shape[1]
+        N: gl.constexpr = k_ring.type.shape[1]
+        stages: gl.constexpr = k_ring.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        q = q_smem.slice(WG * HALF, HALF, dim=0)
+        rows = WG * HALF + gl.arange(0, HALF, layout=row_s)
+        # Rows past the sequence take the last live row's position.
+        q_pos = first_pos + gl.minimum(rows, q_rows - 1)
+        cols = gl.arange(0, N, layout=gl.SliceLayout(0, s_layout))
+        # An accumulator token from the start: each iteration ends with PV in flight.
+        acc = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, o_layout))
+        s_zero = gl.zeros([HALF, N], gl.float32, s_layout)
+        m_i = gl.full([HALF], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([HALF], gl.float32, row_s)
+        n_tiles = gl.cdiv(kv_end, N)
+        n_full = (first_pos + 1) // N  # tiles every row of the program sees whole
+        mbarrier.wait(q_full, 0)
+        for j in range(n_tiles):
+            s_idx = j % stages
+            mbarrier.wait(full.index(s_idx), (j // stages) & 1)
+            n0 = j * N
+            v = v_ring.index(s_idx)
+            s = warpgroup_mma(q, k_ring.index(s_idx).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+            s, acc = warpgroup_mma_wait(0, deps=[s, acc])
+            if j > 0:  # the previous tile's PV is done: its slot is free
+                mbarrier.arrive(empty.index((j - 1) % stages), count=1)
+            if j >= n_full:
+                s = gl.where((n0 + cols)[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            if n0 + N > seq_len:  # V rows past the sequence: zeroed once, by WG 0
+                if WG == 0:
+                    zero_dead_rows(v, n0, seq_len)
+                    mbarrier.arrive(zeroed, count=1)
+                else:
+                    mbarrier.wait(zeroed, 0)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index((n_tiles - 1) % stages), count=1)
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / l_o[:, None]
+        o_rows = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        ptrs = (out_ptr + (row0 + o_rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh
+                + o_cols[None, :])  # fmt: skip
+        gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(o_rows < q_rows)[:, None])
+
+    @gluon.jit
+    def _attend_second(q_smem, k_ring, v_ring, q_full, full, empty, zeroed, out_ptr,
+                       stride_ot, stride_oh, row0, q_rows, first_pos, kv_end, seq_len, head,
+                       qk_scale):  # fmt: skip
+        _attend(
+            q_smem,
+            k_ring,
+            v_ring,
+            q_full,
+            full,
+            empty,
+            zeroed,
+            out_ptr,
+            stride_ot,
+            stride_oh,
+            row0,
+            q_rows,
+            first_pos,
+            kv_end,
+            seq_len,
+            head,
+            qk_scale,
+            1,
+        )
+
+    @gluon.jit(do_not_specialize=["num_seqs"])
+    def _prefill_gluon(
+        q_desc, k_desc, v_desc, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        qk_scale, num_seqs, stride_ot, stride_oh, stride_bt,
+        GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Grid (Hq, q tiles upper bound); 4 warps (the first consumer), a
+        second 4-warp consumer and the producer warp."""
+        BLOCK: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        N: gl.constexpr = _BLOCK_N
+        head = gl.program_id(0)
+        kv_head = head // GROUP
+        live, row0, q_rows, first_pos, kv_end, seq_len, seq = _tile_of_program(
+            query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK)  # fmt: skip
+        if not live:
+            return  # a spare program: the grid is an upper bound on the tile count
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK, D], q_desc.layout)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], dtype)
+        k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, N, D], kv_layout)
+        v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, N, D], kv_layout)
+        bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+        q_full = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+        zeroed = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+        full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
+        mbarrier.init(q_full, count=1)
+        mbarrier.init(zeroed, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(full.index(i), count=1)  # the expect-tx arrival
+            mbarrier.init(empty.index(i), count=2)  # one per consumer
+        fence_async_shared()
+        bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
+        gl.warp_specialize(
+            [
+                (_attend, (
+                    q_smem, k_ring, v_ring, q_full, full, empty, zeroed, out_ptr,
+                    stride_ot, stride_oh, row0, q_rows, first_pos, kv_end, seq_len, head,
+                    qk_scale, 0,
+                )),
+                (_attend_second, (
+                    q_smem, k_ring, v_ring, q_full, full, empty, zeroed, out_ptr,
+                    stride_ot, stride_oh, row0, q_rows, first_pos, kv_end, seq_len, head,
+                    qk_scale,
+                )),
+                (_produce, (
+                    q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_full, full, empty,
+                    bt_row, row0, head, kv_head, kv_end, seq_len, BLOCK_SIZE,
+                )),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )  # fmt: skip
+
+
+def _desc(t: torch.Tensor, rows: int, block: list[int], smem: list[int]) -> TensorDescriptor:
+    """t [..., rows, heads, D] as the 2-D [rows, heads * D], [block] tiles
+    landing in shared memory of shape `smem`'s layout (128-byte swizzled); a
+    tile past the last row reads zeros."""
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(smem, dtype)
+    cols = t.shape[-2] * t.shape[-1]
+    return TensorDescriptor(t, [rows, cols], [t.stride(-3), 1], block, layout)
+
+
+def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+           qk_scale: float) -> None:  # fmt: skip
+    """The kernel over a call `supports` accepted; qk_scale in log2 units.
+    Raises GluonUnavailable if it does not compile."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = query_start_loc.shape[0] - 1
+    q_desc = _desc(q, num_tokens, [BLOCK_M, head_dim], [BLOCK_M, head_dim])
+    k_desc = _desc(k_cache, num_blocks * block_size, [block_size, head_dim], [BLOCK_N, head_dim])
+    v_desc = _desc(v_cache, num_blocks * block_size, [block_size, head_dim], [BLOCK_N, head_dim])
+    # Sum over sequences of cdiv(q_len_i, BLOCK_M) <= T // BLOCK_M + num_seqs.
+    grid = (num_heads, triton.cdiv(num_tokens, BLOCK_M) + num_seqs)
+    args = (q_desc, k_desc, v_desc, out, block_tables, query_start_loc, seq_lens, qk_scale,
+            num_seqs, out.stride(0), out.stride(1), block_tables.stride(0))  # fmt: skip
+    consts = dict(GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, NUM_STAGES=NUM_STAGES)
+    launch_or_give_up(
+        lambda: _prefill_gluon[grid](*args, **consts, num_warps=4, maxnreg=MAXNREG),
+        "prefill attention",
+        _compile_failed,
+    )
