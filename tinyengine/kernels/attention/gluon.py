@@ -28,7 +28,9 @@ that reaches past the end the first consumer zeroes those V rows in shared
 memory and signals `zeroed` before either consumer applies P (their scores
 are masked to -inf, which `where` makes exact whatever K holds).
 
-Grid (query heads, q tiles); the GPU starts programs head fastest, so the
+Grid (query heads, q tiles), q tiles numbered as in kernels.py (whose
+binary search, `_find_seq`, finds a tile's sequence here too); the GPU
+starts programs head fastest, so the
 heads sharing a KV head read its tiles at about the same time (L2 hits),
 and tiles run heaviest first (a prompt's last tiles see the most keys).
 Query rows past their sequence are the next sequence's rows or TMA's zero
