@@ -1,10 +1,10 @@
-"""The Gluon kernels compiled for sm_90 on the CPU, with the installed Triton:
-no GPU runs them here, so this is what tells a CPU CI that a change (or a
-new Triton) left the warp-specialized prefill and MLA decode kernels
-compiling (on a GPU a kernel that does not compile falls back to Triton's,
-silently slower). Each build is checked for what makes it that kernel:
-wgmma products, registers moved between partitions (setmaxnreg), shared
-memory within the 227 KB a block may use on sm_90.
+"""The Gluon kernels (paged prefill, MLA decode, V4's sparse attention)
+compiled for sm_90 on the CPU, with the installed Triton: no GPU runs them
+here, so this is what tells a CPU CI that a change (or a new Triton) left
+them compiling (on a GPU a kernel that does not compile falls back to
+Triton's, silently slower). Each build is checked for what makes it that
+kernel: its wgmma products, registers moved between partitions
+(setmaxnreg), shared memory within the 227 KB a block may use on sm_90.
 """
 
 from __future__ import annotations
@@ -40,6 +40,23 @@ if which == "prefill":
            "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "qk_scale": "fp32",
            "num_seqs": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
     consts = dict(GROUP=4, BLOCK_SIZE=16, NUM_STAGES=m.NUM_STAGES)
+elif which == "sparse":
+    import tinyengine.kernels.sparse_attention.gluon as m
+    from tinyengine.kernels.sparse_attention.split import TOPK_ENTRIES
+    kernel, warps = m._sparse_split_gluon, 4
+    ptrs = ("q_ptr", "kv_ptr", "tables_ptr", "seq_lens_ptr", "seqs_ptr", "topk_ptr", "picks_ptr",
+            "sinks_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr")
+    sig = {name: "*bf16" if name in ("q_ptr", "kv_ptr", "out_ptr") else
+           "*fp32" if name in ("sinks_ptr", "part_out_ptr", "part_lse_ptr") else "*i32"
+           for name in ptrs}
+    sig.update({"entry_offset": "i64", "table_delta": "i64", "qk_scale": "fp32",
+                "num_splits": "i32", "num_heads": "i32", "topk": "i32"})
+    for name in ("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_eb", "stride_er",
+                 "stride_bt", "stride_ebt", "stride_topk", "stride_ot", "stride_oh"):
+        sig[name] = "i32"
+    sig = {name: sig[name] for name in kernel.arg_names if name in sig}
+    consts = dict(D=512, BLOCK_H=64, BLOCK_N=m.TILE_N, BLOCK_SIZE=64, WINDOW=128, RATIO=4,
+                  MODE=TOPK_ENTRIES, HAS_SEQS=False, DIRECT=False, NUM_STAGES=m.NUM_STAGES)
 else:
     import tinyengine.kernels.mla.gluon as m
     kernel, warps = m._mla_split_gluon, 4
@@ -68,7 +85,7 @@ print(json.dumps({"shared": compiled.metadata.shared, "wgmma": ptx.count("wgmma.
 """
 
 
-@pytest.mark.parametrize(("kernel", "wgmmas"), [("prefill", 32), ("mla", 44)])
+@pytest.mark.parametrize(("kernel", "wgmmas"), [("prefill", 32), ("mla", 44), ("sparse", 76)])
 def test_gluon_kernel_compiles_for_sm90(kernel: str, wgmmas: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE, kernel], env=env, capture_output=True,
@@ -76,7 +93,8 @@ def test_gluon_kernel_compiles_for_sm90(kernel: str, wgmmas: int) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
     # The products of a tile: prefill 2 consumers x (QK 8 + PV 8) k-steps;
-    # MLA its scores (latent and rope) and both output halves.
+    # MLA its scores (latent and rope) and both output halves; the sparse
+    # kernel each warpgroup's 32-key scores and output halves.
     assert built["wgmma"] == wgmmas, built
     assert built["setmaxnreg"] > 0, "the partitions no longer get their own register counts"
     assert 0 < built["shared"] <= 227 * 1024, built
