@@ -43,6 +43,8 @@ No interpreter runs Gluon: GPU tests compare it with the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -308,13 +310,24 @@ if HAVE_GLUON:
         )  # fmt: skip
 
 
+@functools.cache
+def _layout(smem: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The 128-byte swizzled layout of a [smem] tile, made once: building it
+    costs more host time than the descriptor it goes into, and a prefill
+    step builds three descriptors a layer (its attention runs outside CUDA
+    graphs). The descriptors themselves are not kept: each holds its tensor,
+    and one kept for a KV cache would keep that cache alive."""
+    return gl.NVMMASharedLayout.get_default_for(
+        list(smem), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    )
+
+
 def _desc(t: torch.Tensor, rows: int, block: list[int], smem: list[int]) -> TensorDescriptor:
     """t [..., rows, heads, D] as the 2-D [rows, heads * D], [block] tiles
-    landing in shared memory of shape `smem`'s layout (128-byte swizzled); a
-    tile past the last row reads zeros."""
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(smem, dtype)
+    landing in shared memory of shape `smem`'s layout; a tile past the last
+    row reads zeros."""
     cols = t.shape[-2] * t.shape[-1]
+    layout = _layout(tuple(smem), t.dtype)
     return TensorDescriptor(t, [rows, cols], [t.stride(-3), 1], block, layout)
 
 
@@ -324,11 +337,12 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     """The kernel over a call `supports` accepted; qk_scale in log2 units.
     Raises GluonUnavailable if it does not compile."""
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = query_start_loc.shape[0] - 1
     q_desc = _desc(q, num_tokens, [BLOCK_M, head_dim], [BLOCK_M, head_dim])
-    k_desc = _desc(k_cache, num_blocks * block_size, [block_size, head_dim], [BLOCK_N, head_dim])
-    v_desc = _desc(v_cache, num_blocks * block_size, [block_size, head_dim], [BLOCK_N, head_dim])
+    rows = k_cache.shape[0] * block_size
+    k_desc = _desc(k_cache, rows, [block_size, head_dim], [BLOCK_N, head_dim])
+    v_desc = _desc(v_cache, rows, [block_size, head_dim], [BLOCK_N, head_dim])
     # Sum over sequences of cdiv(q_len_i, BLOCK_M) <= T // BLOCK_M + num_seqs.
     grid = (num_heads, triton.cdiv(num_tokens, BLOCK_M) + num_seqs)
     args = (q_desc, k_desc, v_desc, out, block_tables, query_start_loc, seq_lens, qk_scale,
