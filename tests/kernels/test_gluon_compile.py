@@ -34,7 +34,7 @@ def desc(block, smem):
 which = sys.argv[1]
 if which == "prefill":
     import tinyengine.kernels.attention.gluon as m
-    kernel, warps = m._prefill_gluon, 4
+    kernel = m._prefill_gluon
     sig = {"q_desc": desc([128, 128], [128, 128]), "k_desc": desc([16, 128], [128, 128]),
            "v_desc": desc([16, 128], [128, 128]), "out_ptr": "*bf16", "block_tables_ptr": "*i32",
            "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "qk_scale": "fp32",
@@ -43,7 +43,7 @@ if which == "prefill":
 elif which == "sparse":
     import tinyengine.kernels.sparse_attention.gluon as m
     from tinyengine.kernels.sparse_attention.split import TOPK_ENTRIES
-    kernel, warps = m._sparse_split_gluon, 4
+    kernel = m._sparse_split_gluon
     ptrs = ("q_ptr", "kv_ptr", "tables_ptr", "seq_lens_ptr", "seqs_ptr", "topk_ptr", "picks_ptr",
             "sinks_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr")
     sig = {name: "*bf16" if name in ("q_ptr", "kv_ptr", "out_ptr") else
@@ -59,7 +59,7 @@ elif which == "sparse":
                   MODE=TOPK_ENTRIES, HAS_SEQS=False, DIRECT=False, NUM_STAGES=m.NUM_STAGES)
 else:
     import tinyengine.kernels.mla.gluon as m
-    kernel, warps = m._mla_split_gluon, 4
+    kernel = m._mla_split_gluon
     page = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     sig = {"q_lat_ptr": "*bf16", "q_rope_ptr": "*bf16",
            "lat_desc": f"tensordesc<bf16[64, 512],{page!r}>",
@@ -78,7 +78,7 @@ attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
          if sig[n].startswith("*") or n.startswith("stride")}
 compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, maxnreg=m.MAXNREG))
+                          options=dict(num_warps=4, maxnreg=m.MAXNREG))
 ptx = compiled.asm["ptx"]
 print(json.dumps({"shared": compiled.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
                   "setmaxnreg": ptx.count("setmaxnreg")}))

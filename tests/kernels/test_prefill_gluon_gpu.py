@@ -15,7 +15,8 @@ from tests.kernels.test_triton_attention_gpu import _fast_batch, _rel_err, _sdpa
 
 
 def _gluon_runs(b) -> bool:
-    return prefill_gluon.supports(b.q, b.k_cache, b.v_cache, max(b.q_lens))
+    indices = (b.block_tables, b.query_start_loc, b.seq_lens_t)
+    return prefill_gluon.supports(b.q, b.k_cache, b.v_cache, indices, max(b.q_lens))
 
 
 CASES = {
@@ -63,5 +64,6 @@ def test_gpu_gluon_prefill_ignores_nan_past_the_sequence() -> None:
 @pytest.mark.gpu
 def test_gpu_short_prefills_stay_on_triton() -> None:
     b = _fast_batch([127, 5], [127, 500])
-    assert not prefill_gluon.supports(b.q, b.k_cache, b.v_cache, 127)
+    indices = (b.block_tables, b.query_start_loc, b.seq_lens_t)
+    assert not prefill_gluon.supports(b.q, b.k_cache, b.v_cache, indices, 127)
     assert _rel_err(b.run(), _sdpa_reference(b)) < 1e-2

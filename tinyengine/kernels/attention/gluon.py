@@ -78,11 +78,13 @@ _compile_failed: list[str] = []
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             max_query_len: int) -> bool:  # fmt: skip
+             indices: tuple[torch.Tensor, ...], max_query_len: int) -> bool:  # fmt: skip
     """Whether this kernel can run the call: Gluon on a Hopper GPU, 16-bit
     floats, 128-wide heads, prefills of at least MIN_QUERY_LEN tokens, pages
-    that divide a 128-key tile, and caches whose rows a 2-D descriptor can
-    address (a block's rows evenly strided, 16-byte aligned)."""
+    that divide a 128-key tile, caches whose rows a 2-D descriptor can
+    address (a block's rows evenly strided, 16-byte aligned), and int32
+    `indices` (block table, query starts, sequence lengths; the engine's):
+    the TMA coordinates built from them are 32-bit."""
     if not HAVE_GLUON or _compile_failed or q.device.type != "cuda":
         return False
     block_size = k_cache.shape[1]
@@ -95,6 +97,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         and 8 <= block_size <= BLOCK_N
         and BLOCK_N % block_size == 0
         and all(_rows_ok(t) for t in (q, k_cache, v_cache))
+        and all(t.dtype == torch.int32 for t in indices)
     )
 
 
@@ -233,26 +236,8 @@ if HAVE_GLUON:
     def _attend_second(q_smem, k_ring, v_ring, q_full, full, empty, zeroed, out_ptr,
                        stride_ot, stride_oh, row0, q_rows, first_pos, kv_end, seq_len, head,
                        qk_scale):  # fmt: skip
-        _attend(
-            q_smem,
-            k_ring,
-            v_ring,
-            q_full,
-            full,
-            empty,
-            zeroed,
-            out_ptr,
-            stride_ot,
-            stride_oh,
-            row0,
-            q_rows,
-            first_pos,
-            kv_end,
-            seq_len,
-            head,
-            qk_scale,
-            1,
-        )
+        _attend(q_smem, k_ring, v_ring, q_full, full, empty, zeroed, out_ptr, stride_ot,
+                stride_oh, row0, q_rows, first_pos, kv_end, seq_len, head, qk_scale, 1)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_seqs"])
     def _prefill_gluon(

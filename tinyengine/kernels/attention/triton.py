@@ -141,9 +141,8 @@ def prefill_attention(
         return
     head_dim_k, head_dim_v = q.shape[2], v_cache.shape[3]
     overridden = any(x is not None for x in (block_m, block_n, num_warps, num_stages))
-    # The Gluon kernel's TMA coordinates are 32-bit: int32 indices only (the engine's).
-    indices_32 = all(t.dtype == torch.int32 for t in (block_tables, query_start_loc, seq_lens))
-    if not overridden and indices_32 and prefill_gluon.supports(q, k_cache, v_cache, max_query_len):
+    indices = (block_tables, query_start_loc, seq_lens)
+    if not overridden and prefill_gluon.supports(q, k_cache, v_cache, indices, max_query_len):
         try:  # Hopper, long prefills: the warp-specialized kernel (attention/gluon.py)
             prefill_gluon.launch(q, k_cache, v_cache, out, block_tables, query_start_loc,
                                  seq_lens, scale * LOG2E)  # fmt: skip
