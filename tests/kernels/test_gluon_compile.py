@@ -38,7 +38,8 @@ if which == "prefill":
     sig = {"q_desc": desc([128, 128], [128, 128]), "k_desc": desc([16, 128], [128, 128]),
            "v_desc": desc([16, 128], [128, 128]), "out_ptr": "*bf16", "block_tables_ptr": "*i32",
            "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "qk_scale": "fp32",
-           "num_seqs": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
+           "num_seqs": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32",
+           "stride_qh": "i32", "stride_kvh": "i32"}
     consts = dict(GROUP=4, BLOCK_SIZE=16, NUM_STAGES=m.NUM_STAGES)
 elif which == "sparse":
     import tinyengine.kernels.sparse_attention.gluon as m
@@ -85,14 +86,16 @@ print(json.dumps({"shared": compiled.metadata.shared, "wgmma": ptx.count("wgmma.
 """
 
 
-@pytest.mark.parametrize(("kernel", "wgmmas"), [("prefill", 32), ("mla", 44), ("sparse", 76)])
+@pytest.mark.parametrize(("kernel", "wgmmas"), [("prefill", 64), ("mla", 44), ("sparse", 76)])
 def test_gluon_kernel_compiles_for_sm90(kernel: str, wgmmas: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE, kernel], env=env, capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
-    # The products of a tile: prefill 2 consumers x (QK 8 + PV 8) k-steps;
+    # The products of a tile: prefill 2 consumers x (QK 8 + PV 8) k-steps,
+    # each emitted twice (the first tile's QK and the last tile's PV are
+    # outside the loop);
     # MLA its scores (latent and rope) and both output halves; the sparse
     # kernel each warpgroup's 32-key scores and output halves.
     assert built["wgmma"] == wgmmas, built

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import tinyengine.kernels.attention.gluon as prefill_gluon
 from tests.kernels.test_triton_attention_gpu import _fast_batch, _rel_err, _sdpa_reference
@@ -67,3 +68,22 @@ def test_gpu_short_prefills_stay_on_triton() -> None:
     indices = (b.block_tables, b.query_start_loc, b.seq_lens_t)
     assert not prefill_gluon.supports(b.q, b.k_cache, b.v_cache, indices, 127)
     assert _rel_err(b.run(), _sdpa_reference(b)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_prefill_on_the_engine_layouts() -> None:
+    """The engine's cache keeps a head's K and V side by side in one
+    allocation (kernels/worker/kv_cache.py) and its query is a slice of the
+    fused QKV projection: the kernel runs on those strided views, not on
+    copies, and matches SDPA."""
+    b = _fast_batch([512, 300, 129], [1536, 300, 1129], 16)
+    storage = torch.cat([b.k_cache, b.v_cache], dim=-1)
+    b.k_cache, b.v_cache = storage[..., :128], storage[..., 128:]
+    hq, d = b.q.shape[1], b.q.shape[2]
+    qkv = torch.zeros(b.num_tokens, hq * d + 2 * 8 * d, device="cuda", dtype=b.q.dtype)
+    qkv[:, : hq * d] = b.q.flatten(1)
+    b.q = qkv[:, : hq * d].view(b.num_tokens, hq, d)
+    if not _gluon_runs(b):
+        pytest.skip("no Gluon or not a Hopper GPU")
+    assert _rel_err(b.run(), _sdpa_reference(b)) < 1e-2
+    assert prefill_gluon._compile_failed == []
