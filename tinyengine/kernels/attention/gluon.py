@@ -37,12 +37,9 @@ Grid (query heads, q tiles), q tiles numbered as in kernels.py (whose
 binary search, `_find_seq`, finds a tile's sequence here too) and run
 heaviest first (a prompt's last tiles see the most keys); the GPU starts
 programs head fastest, so the heads sharing a KV head read its tiles at
-about the same time (L2 hits). (Ordering them KV head first instead, so
-that fewer KV heads are read at once, lost at 2k tokens, where the heaviest-
-first order across heads is what shortens the last wave.) Query rows past
-their sequence are the next sequence's rows or TMA's zero fill: their
-position is clamped to the last live row's (finite scores) and they are
-never stored.
+about the same time (L2 hits). Query rows past their sequence are the
+next sequence's rows or TMA's zero fill: their position is clamped to the
+last live row's (finite scores) and they are never stored.
 
 Shared memory: Q 32 KB, two slots each of K and V tiles (32 KB each): 160
 KB. No interpreter runs Gluon: GPU tests compare it with the reference.
