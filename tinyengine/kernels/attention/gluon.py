@@ -111,13 +111,16 @@ def _rows_ok(t: torch.Tensor) -> bool:
     evenly strided (the engine's cache keeps a head's K and V side by side,
     so K's heads are 2 D apart), rows evenly strided (a cache's blocks
     abut), all 16-byte aligned as TMA needs."""
-    heads, d = t.shape[-2], t.shape[-1]
-    row_stride, head_stride = t.stride(-3), t.stride(-2)
+    # One stride() and one shape read: called per layer per prefill step,
+    # where each tensor method call costs host time.
+    shape, stride = t.shape, t.stride()
+    heads, d, row_stride, head_stride = shape[-2], shape[-1], stride[-3], stride[-2]
     within_row = (
-        t.stride(-1) == 1 and d <= head_stride and (heads - 1) * head_stride + d <= row_stride
+        stride[-1] == 1 and d <= head_stride and (heads - 1) * head_stride + d <= row_stride
     )
-    abut = t.dim() == 3 or t.stride(0) == t.shape[1] * row_stride
-    aligned = all((x * t.element_size()) % 16 == 0 for x in (row_stride, head_stride))
+    abut = len(shape) == 3 or stride[0] == shape[1] * row_stride
+    size = t.element_size()
+    aligned = (row_stride * size) % 16 == 0 and (head_stride * size) % 16 == 0
     return within_row and abut and aligned and t.data_ptr() % 16 == 0
 
 
