@@ -73,7 +73,7 @@ def test_gpu_short_prefills_stay_on_triton() -> None:
 @pytest.mark.gpu
 def test_gpu_gluon_prefill_on_the_engine_layouts() -> None:
     """The engine's cache keeps a head's K and V side by side in one
-    allocation (kernels/worker/kv_cache.py) and its query is a slice of the
+    allocation (tinyengine/worker/kv_cache.py) and its query is a slice of the
     fused QKV projection: the kernel runs on those strided views, not on
     copies, and matches SDPA."""
     b = _fast_batch([512, 300, 129], [1536, 300, 1129], 16)

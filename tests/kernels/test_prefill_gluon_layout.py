@@ -35,6 +35,7 @@ def test_layouts_a_2d_view_cannot_describe_are_refused() -> None:
     assert not _rows_ok(base.transpose(1, 2))  # heads outside rows
     assert not _rows_ok(base[..., ::2])  # a head's elements strided
     assert not _rows_ok(base[:, :8])  # blocks that do not abut
-    assert not _rows_ok(torch.zeros(8, 16, 4, 100, dtype=torch.bfloat16)[..., :98])  # 196 B rows
+    unaligned = torch.zeros(8, 16, 4, 100, dtype=torch.bfloat16)[..., :98]
+    assert not _rows_ok(unaligned)  # heads 200 B apart, not a multiple of 16
     offset = torch.zeros(8 * 16 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(8, 16, 4, 128)
     assert not _rows_ok(offset)  # base not 16-byte aligned
