@@ -161,11 +161,19 @@ def stop_string_holdback(text: str, stops: Sequence[str]) -> int:
     "\\n\\n". With `include_stop_str_in_output` nothing needs holding back: the
     caller passes no stops (or ignores this).
     """
+    if not text:
+        return 0
+    last = text[-1]
     held = 0
     for stop in stops:
-        # Only suffixes longer than what is already held can raise the answer.
-        for k in range(min(len(stop) - 1, len(text)), held, -1):
-            if text.endswith(stop[:k]):
+        # Only suffixes longer than what is already held can raise the answer,
+        # and only prefixes stop[:k] ending in text's last character can be
+        # one: rfind jumps between those k (it runs every step, on every stop).
+        k = min(len(stop) - 1, len(text))
+        while k > held:
+            k = stop.rfind(last, 0, k) + 1
+            if k > held and text.endswith(stop[:k]):
                 held = k
                 break
+            k -= 1
     return held

@@ -12,6 +12,10 @@ from enum import Enum
 # vLLM caps the number of logprobs a request may ask for; we do the same so a
 # request cannot make the sampler sort the whole vocabulary every step.
 MAX_LOGPROBS = 20
+# Stop strings a request may give, and their length (OpenAI allows 4; vLLM
+# sets no bound, which lets one request slow every step of the engine loop).
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 1024
 
 
 class RequestOutputKind(Enum):
@@ -124,6 +128,14 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        # Every stop is searched for in every step's new text: bounded, so one
+        # request cannot slow the engine loop everyone shares.
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(
+                f"SamplingParams.stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                f"{MAX_STOP_CHARS} characters each, got {len(self.stop)} strings, the longest "
+                f"{max(map(len, self.stop))} characters"
+            )
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         if not isinstance(self.output_kind, RequestOutputKind):

@@ -283,6 +283,22 @@ def test_holdback_is_safe_and_never_more_than_vllm(text: str, more: str, stops: 
         assert hit[0] >= len(text) - held
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab\n", max_size=12),
+    stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=6), min_size=1, max_size=4),
+)
+def test_holdback_is_the_longest_suffix_that_starts_a_stop(text: str, stops: list[str]) -> None:
+    # The definition, by brute force: the longest suffix of text that is a
+    # proper prefix of some stop.
+    want = max(
+        (k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1)
+         if text.endswith(s[:k])),
+        default=0,
+    )  # fmt: skip
+    assert stop_string_holdback(text, stops) == want
+
+
 def test_tokenizer_modules_import_neither_torch_nor_transformers() -> None:
     code = (
         "import sys, tinyengine.tokenizer, tinyengine.detokenizer; "

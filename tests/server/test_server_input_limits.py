@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import ServerProcess, start_server
+from tinyengine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tinyengine.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from tinyengine.serve.protocol import parse_request as parse
 from tinyengine.serve.tokenize import MIN_CHARS_PER_TOKEN, max_chars_per_token
@@ -73,6 +74,51 @@ def test_lone_surrogate_is_not_valid_unicode():
     assert e.param == "messages" and "not valid Unicode" in e.message
     # A surrogate pair is a character (U+1F600), not an error.
     assert parse(b'{"prompt": "a\\ud83d\\ude00"}', CompletionRequest).prompt == "a\U0001f600"
+
+
+def test_json_the_parser_reads_but_cannot_use_is_a_400():
+    # Nesting deeper than a recursive walk can follow (json.loads takes it;
+    # the lone-surrogate scan once recursed over it), and an integer of over
+    # 4300 digits, which json.loads refuses with a plain ValueError.
+    for depth in (400, 950, 5000):
+        body = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+        assert "too deeply" in _error(body).message
+    e = _error(b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}")
+    assert "not valid JSON" in e.message and "4300" in e.message
+
+
+def test_an_error_without_a_field_names_the_body():
+    # UTF-16: Python's json reads it, pydantic's strict UTF-8 parser does not.
+    e = _error('{"prompt": "a"}'.encode("utf-16"))
+    assert e.message.startswith("the request body: "), e.message
+    # A UTF-8 byte-order mark before the JSON is ignored (RFC 8259 allows it).
+    assert parse(b'\xef\xbb\xbf{"prompt": "a"}', CompletionRequest).prompt == "a"
+
+
+def test_reserved_chat_template_kwargs_are_refused_naming_them():
+    for key in ("chat_template", "add_generation_prompt", "tokenize", "messages"):
+        body = {"messages": [USER], "chat_template_kwargs": {key: "{{ 1/0 }}"}}
+        e = _error(json.dumps(body).encode(), ChatCompletionRequest)
+        assert e.param == "chat_template_kwargs" and f"chat_template_kwargs.{key}" in e.message
+    ok = {"messages": [USER], "chat_template_kwargs": {"enable_thinking": False}}
+    parse(json.dumps(ok).encode(), ChatCompletionRequest)
+
+
+def test_stop_strings_are_bounded():
+    def refused(body: dict) -> APIError:
+        with pytest.raises(APIError) as e:
+            parse(json.dumps(body).encode(), CompletionRequest).sampling_params()
+        assert e.value.status == 400 and e.value.param == "stop"
+        return e.value
+
+    many = {"prompt": "a", "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}
+    assert str(MAX_STOP_STRINGS) in refused(many).message
+    long = {"prompt": "a", "stop": ["x" * (MAX_STOP_CHARS + 1)]}
+    assert str(MAX_STOP_CHARS) in refused(long).message
+    fine = {"prompt": "a", "stop": ["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS}
+    assert len(parse(json.dumps(fine).encode(), CompletionRequest).sampling_params().stop) == (
+        MAX_STOP_STRINGS
+    )
 
 
 def test_chars_per_token_bound_follows_the_vocabulary(smollm2_path: str):
@@ -172,6 +218,8 @@ def test_validation_over_http(server: ServerProcess):
         (b'{"prompt": "\\ud800"}', "/v1/completions", "prompt", "not valid Unicode"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', "/tokenize", "messages",
          "'wizard'"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+         b'{"url": "x"}}]}]}', "/tokenize", "messages", "only text parts"),
     ]  # fmt: skip
     for body, path, param, words in cases:
         r = httpx.post(server.url + path, content=body, timeout=30,
@@ -179,6 +227,18 @@ def test_validation_over_http(server: ServerProcess):
         assert r.status_code == 400, (body, r.text)
         error = r.json()["error"]
         assert error["param"] == param and words in error["message"], (body, error)
+
+
+def test_top_p_below_float32_is_served(server: ServerProcess):
+    """1e-46 is a valid top_p (> 0) that is 0 in float32: the request gets
+    its most likely token, and a request running beside it is unharmed."""
+    for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                       ("/v1/chat/completions", {"messages": [USER]})):  # fmt: skip
+        r = _post(server, path, {**body, "max_tokens": 2, "top_p": 1e-46})
+        assert r.status_code == 200, r.text
+        greedy = _post(server, path, {**body, "max_tokens": 2, "temperature": 0})
+        choice, want = r.json()["choices"][0], greedy.json()["choices"][0]
+        assert choice.get("text", choice.get("message")) == want.get("text", want.get("message"))
 
 
 def test_head_health(server: ServerProcess):

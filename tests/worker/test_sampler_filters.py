@@ -166,6 +166,17 @@ def test_top_p_one_keeps_tail_despite_rounding() -> None:
     assert threshold[1].item() == 3.0  # the other row's nucleus is its top token
 
 
+@pytest.mark.parametrize("top_k", [-1, 5])
+def test_top_p_below_float32_keeps_the_top_token(top_k: int) -> None:
+    """top_p = 1e-46 is a valid request (> 0) but 0 in the float32 parameter
+    table: the nucleus is then the top token, not empty (an empty one once
+    failed the whole engine step, every request in it)."""
+    row = randn(1, 80, seed=13)
+    params = SamplingParams(temperature=1.0, top_p=1e-46, top_k=top_k)
+    assert float(torch.tensor(params.top_p, dtype=torch.float32)) == 0.0
+    assert set(draws(row, params)) == {int(row.argmax())}
+
+
 def test_seeded_rows_sample_the_right_distribution() -> None:
     """Per-request generators give draws from the same distribution (not just
     reproducible ones): one seeded request, many steps, same logits."""

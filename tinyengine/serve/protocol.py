@@ -258,6 +258,17 @@ class ChatMessage(BaseModel):
         return sum(len(p["text"]) for p in parts if isinstance(p.get("text"), str))
 
 
+# Arguments of apply_chat_template, not variables of the template: a request
+# may not replace the model's template (a template is code the server runs)
+# nor change how the render is returned.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "tokenize", "add_generation_prompt", "messages", "conversation", "tools",
+    "documents", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "processor_kwargs",
+})  # fmt: skip
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1)  # None: up to max_model_len
@@ -283,31 +294,43 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs.{reserved[0]}: not a template variable a request may "
+                "set (the server renders with the model's own template; messages, tools and "
+                "add_generation_prompt are fields of the request)",
+                "chat_template_kwargs",
+            )
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages for the chat template; a list of content parts becomes one
-        string (text parts only: tinyengine serves text models)."""
-        out = []
-        for i, message in enumerate(self.messages):
-            m = message.model_dump(exclude_none=True)
-            if isinstance(message.content, list):
-                texts = []
-                for part in message.content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise bad_request(
-                            f"messages[{i}].content: only text parts are supported, "
-                            f"got {part.get('type')!r}",
-                            "messages",
-                        )
-                    texts.append(part["text"])
-                m["content"] = "".join(texts)
-            out.append(m)
-        return out
+        return template_messages(self.messages)
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template; a list of content parts becomes one
+    string (text parts only: tinyengine serves text models)."""
+    out = []
+    for i, message in enumerate(messages):
+        m = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for part in message.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"messages[{i}].content: only text parts are supported, "
+                        f"got {part.get('type')!r}",
+                        "messages",
+                    )
+                texts.append(part["text"])
+            m["content"] = "".join(texts)
+        out.append(m)
+    return out
 
 
 # --- parsing ---
@@ -328,18 +351,22 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 def parse_body(body: bytes, cls: type[ModelT]) -> ModelT:
     """Body bytes -> a validated `cls`, or an APIError naming what is wrong."""
+    body = body.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark: JSON may ignore it
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from e
     except RecursionError as e:  # ~1000 nested arrays: json's parser recurses
         raise bad_request("the request body nests JSON arrays/objects too deeply") from e
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of over 4300 digits
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
         return cls.model_validate_json(body)
     except ValidationError as e:
         err = e.errors()[0]
+        if err["type"] == "json_invalid" and "recursion limit" in err["msg"]:
+            # pydantic's parser stops at a shallower nesting than Python's json.
+            raise bad_request("the request body nests JSON arrays/objects too deeply") from e
         if err["type"] == "json_invalid" and (param := _surrogate_field(data)) is not None:
             # Python's json read it, pydantic's (strict UTF-8) did not: a lone
             # surrogate escape such as "\ud800", which is no Unicode character.
@@ -352,7 +379,7 @@ def parse_body(body: bytes, cls: type[ModelT]) -> ModelT:
         # Drop the union-member tags pydantic puts in a location ("stop.str").
         loc = [str(part) for part in err["loc"] if not _is_type_tag(part)]
         param = loc[0] if loc else None
-        where = ".".join(loc)
+        where = ".".join(loc) if loc else "the request body"
         message = _MESSAGES.get(err["type"], err["msg"])
         if err["type"] == "value_error":  # our validators' own words, without pydantic's prefix
             message = str(err.get("ctx", {}).get("error", message))
@@ -368,12 +395,20 @@ def _surrogate_field(data: dict[str, Any]) -> str | None:
 
 
 def _has_surrogate(value: object) -> bool:
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_surrogate(v) for v in value)
+    """Whether any string in `value` holds a lone surrogate; walked with a
+    stack, not recursion: json.loads takes nesting deeper than Python's
+    recursion limit allows a recursive walk."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item) is not None:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return False
 
 

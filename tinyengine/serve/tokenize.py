@@ -31,7 +31,13 @@ from fastapi import APIRouter, Request
 
 from tinyengine.serve.checks import check_model, off_loop, read_body, ready_engine
 from tinyengine.serve.engine_client import EngineClient, PromptType
-from tinyengine.serve.protocol import ChatMessage, Strict, bad_request, parse_body
+from tinyengine.serve.protocol import (
+    ChatMessage,
+    Strict,
+    bad_request,
+    parse_body,
+    template_messages,
+)
 from tinyengine.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -64,7 +70,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         prompt, special = req.prompt, req.add_special_tokens
         tokens = await off_loop(len(prompt), lambda: tokenizer.encode(prompt, special))
     else:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
+        messages = template_messages(req.messages or [])
         tokens = await render_chat(tokenizer, messages, req.add_generation_prompt)
     max_model_len = engine.model_info.max_model_len
     return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
@@ -103,9 +109,11 @@ async def render_chat(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """`messages` through the chat template, as token ids; a template that
-    refuses them (a role it does not know, ...) or `template_kwargs` that
-    clash with the other arguments are a 400 on "messages"."""
+    """`messages` through the chat template, as token ids. The template is the
+    model's own, but what it computes comes from the request (messages,
+    tools, template variables): whatever fails in it (a role it does not
+    know and raises on, a variable of the wrong type, ...) is a 400 on
+    "messages"."""
     try:
         # Off the event loop: a long conversation takes a while to render and encode.
         return await asyncio.to_thread(
@@ -116,8 +124,9 @@ async def render_chat(
             **({"tools": tools} if tools else {}),
             **(template_kwargs or {}),
         )
-    except (ValueError, TypeError) as e:
-        raise bad_request(str(e), "messages") from e
+    except Exception as e:  # noqa: BLE001 - any failure here is the request's input
+        message = str(e) if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {e}"
+        raise bad_request(f"the chat template failed on this request: {message}", "messages") from e
 
 
 # The floor of the characters-per-token bound. Real vocabularies go higher

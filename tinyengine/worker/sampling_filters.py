@@ -75,7 +75,9 @@ def cutoff(
             # smallest prefix reaching top_p. top_p == 1 rows are exempt, since
             # fp rounding can push the cumsum of the tail past 1.0.
             drop = (mass_before >= top_p) & (top_p < 1.0)
-            num_kept = (~drop).sum(dim=-1, keepdim=True).clamp(max=top_k)
+            # At least the top token: a top_p below float32's smallest value
+            # (1e-46 is a valid request) is 0 in the table, which drops all.
+            num_kept = (~drop).sum(dim=-1, keepdim=True).clamp(min=1).clamp(max=top_k)
         threshold = ranked.gather(1, num_kept.clamp(max=width) - 1)
         if not full_sort:
             # Rows without a top-k were cut at width max_k; here they have
