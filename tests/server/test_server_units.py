@@ -16,6 +16,7 @@ from tinyengine.serve.protocol import (
     parse_request,
 )
 from tinyengine.serve.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings, parse_option
+from tinyengine.serve.tokenize import template_messages
 
 
 def test_settings_from_env_parse_every_kind_of_field():
@@ -114,7 +115,7 @@ def test_request_parsing():
         b' "max_completion_tokens": 7}',
         ChatCompletionRequest,
     )
-    assert chat.template_messages() == [{"role": "user", "content": "ab"}]
+    assert template_messages(chat.messages) == [{"role": "user", "content": "ab"}]
     params = chat.sampling_params()
     assert params.logprobs == 2 and params.max_tokens == 7
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}

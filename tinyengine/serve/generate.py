@@ -55,6 +55,7 @@ from tinyengine.serve.tokenize import (
     encode_prompts,
     render_chat,
     require_tokenizer,
+    template_messages,
 )
 
 router = APIRouter()
@@ -116,7 +117,7 @@ async def create_chat_completion(request: Request) -> JSONResponse | StreamingRe
     check_prompt_chars(engine, tokenizer, num_chars, "messages")
     token_ids = await render_chat(
         tokenizer,
-        req.template_messages(),
+        template_messages(req.messages),
         req.add_generation_prompt,
         req.tools,
         req.chat_template_kwargs,

@@ -303,34 +303,10 @@ class ChatCompletionRequest(_SamplingRequest):
                 "chat_template_kwargs",
             )
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return template_messages(self.messages)
-
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template; a list of content parts becomes one
-    string (text parts only: tinyengine serves text models)."""
-    out = []
-    for i, message in enumerate(messages):
-        m = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):
-            texts = []
-            for part in message.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(
-                        f"messages[{i}].content: only text parts are supported, "
-                        f"got {part.get('type')!r}",
-                        "messages",
-                    )
-                texts.append(part["text"])
-            m["content"] = "".join(texts)
-        out.append(m)
-    return out
 
 
 # --- parsing ---
@@ -355,7 +331,7 @@ def parse_body(body: bytes, cls: type[ModelT]) -> ModelT:
     try:
         data = json.loads(body)
     except RecursionError as e:  # ~1000 nested arrays: json's parser recurses
-        raise bad_request("the request body nests JSON arrays/objects too deeply") from e
+        raise bad_request(_TOO_DEEP) from e
     except ValueError as e:  # not JSON, not UTF-8, or an integer of over 4300 digits
         raise bad_request(f"the request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
@@ -366,7 +342,7 @@ def parse_body(body: bytes, cls: type[ModelT]) -> ModelT:
         err = e.errors()[0]
         if err["type"] == "json_invalid" and "recursion limit" in err["msg"]:
             # pydantic's parser stops at a shallower nesting than Python's json.
-            raise bad_request("the request body nests JSON arrays/objects too deeply") from e
+            raise bad_request(_TOO_DEEP) from e
         if err["type"] == "json_invalid" and (param := _surrogate_field(data)) is not None:
             # Python's json read it, pydantic's (strict UTF-8) did not: a lone
             # surrogate escape such as "\ud800", which is no Unicode character.
@@ -386,6 +362,7 @@ def parse_body(body: bytes, cls: type[ModelT]) -> ModelT:
         raise bad_request(f"{where}: {message}", param) from e
 
 
+_TOO_DEEP = "the request body nests JSON arrays/objects too deeply"
 _MESSAGES = {"missing": "field required", "finite_number": "must be a finite number"}
 
 

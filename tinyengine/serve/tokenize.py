@@ -10,8 +10,9 @@ default true) and answers {"tokens", "count", "max_model_len"}.
 the field, as everywhere else.
 
 Also owns the tokenizer steps generate.py shares: `require_tokenizer` (a
-400 when the model has none), `render_chat` (messages -> token ids, so chat
-completions and /tokenize render a conversation the same way) and
+400 when the model has none), `template_messages` and `render_chat`
+(messages -> token ids, so chat completions and /tokenize render a
+conversation the same way) and
 `encode_prompts` (completions' text prompts -> token ids). Tokenizing,
 templating and decoding run in worker threads (the Rust tokenizer is safe to
 call from any thread), never on the event loop; before any of it, text that
@@ -31,13 +32,7 @@ from fastapi import APIRouter, Request
 
 from tinyengine.serve.checks import check_model, off_loop, read_body, ready_engine
 from tinyengine.serve.engine_client import EngineClient, PromptType
-from tinyengine.serve.protocol import (
-    ChatMessage,
-    Strict,
-    bad_request,
-    parse_body,
-    template_messages,
-)
+from tinyengine.serve.protocol import ChatMessage, Strict, bad_request, parse_body
 from tinyengine.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -102,6 +97,27 @@ def require_tokenizer(engine: EngineClient, message: str, param: str) -> Tokeniz
     return tokenizer
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template; a list of content parts becomes one
+    string (text parts only: tinyengine serves text models)."""
+    out = []
+    for i, message in enumerate(messages):
+        m = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for part in message.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"messages[{i}].content: only text parts are supported, "
+                        f"got {part.get('type')!r}",
+                        "messages",
+                    )
+                texts.append(part["text"])
+            m["content"] = "".join(texts)
+        out.append(m)
+    return out
+
+
 async def render_chat(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
@@ -125,8 +141,7 @@ async def render_chat(
             **(template_kwargs or {}),
         )
     except Exception as e:  # noqa: BLE001 - any failure here is the request's input
-        message = str(e) if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {e}"
-        raise bad_request(f"the chat template failed on this request: {message}", "messages") from e
+        raise bad_request(f"the chat template failed: {type(e).__name__}: {e}", "messages") from e
 
 
 # The floor of the characters-per-token bound. Real vocabularies go higher
