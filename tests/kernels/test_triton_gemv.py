@@ -54,6 +54,21 @@ def test_skinny_linear_default_config(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [9, 16, 17, 33, 64])
+@pytest.mark.parametrize("n,k", [(200, 256), (33, 96)])
+def test_skinny_linear_up_to_64_rows(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    """9-64 rows (the dispatcher's bound, DISPATCH_MAX_M): the DOT loop with
+    the rows padded to 16, 32 or 64, on the default config and split over K
+    with a workspace, every row equal to the fp32 product."""
+    x, w, b, ref = _problem(m, n, k, dtype, True)
+    cfg = pick_config(m, n, k, 132)
+    assert cfg.use_dot
+    _check(skinny_linear(x, w, b, config=cfg), ref, dtype)
+    split = GemvConfig(16, 32, 4, 2, use_dot=True, split_k=3)
+    _check(skinny_linear(x, w, b, config=split, workspace=Workspace(x.device)), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg", [FMA_SMALL, FMA_R_SMALL, DOT_SMALL], ids=str)
 @pytest.mark.parametrize("n,k", [(200, 256), (77, 200), (48, 64)])  # tails in N and K
 @pytest.mark.parametrize("bias", [False, True])
@@ -110,7 +125,7 @@ def test_fma_rows_equal_one_row_launches(
         assert torch.equal(out[i : i + 1], skinny_linear(x[i : i + 1], w, b, config=cfg))
 
 
-@pytest.mark.parametrize("m", [0, 17])
+@pytest.mark.parametrize("m", [0, gemv.MAX_M + 1])
 def test_skinny_linear_rejects_bad_m(m: int) -> None:
     x = torch.randn(m, 64, device=DEVICE)
     with pytest.raises(ValueError):
@@ -206,7 +221,7 @@ def _args(m=1, k=64, n=32, dtype=torch.bfloat16, bias=False):
     return x, w, b
 
 
-@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_eligible_accepts(m: int, dtype: torch.dtype, bias: bool) -> None:
@@ -329,7 +344,7 @@ def test_split_k_past_a_locked_arena_runs_unsplit() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("m", [2, 5, 16, 40])
 @pytest.mark.parametrize("n,k,split", [(48, 256, 2), (40, 300, 3), (64, 512, 4), (33, 96, 8)])
 def test_split_k_matches_reference_and_resets_tickets(
     dtype: torch.dtype, m: int, n: int, k: int, split: int

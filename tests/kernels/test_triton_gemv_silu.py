@@ -284,3 +284,16 @@ def test_gpu_dispatch_fallback_and_graph_capture() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("rows", [17, 40, 64])
+def test_fused_serves_up_to_64_rows(rows: int) -> None:
+    """Past 16 rows (the dispatcher sends up to DISPATCH_MAX_M): the DOT tile
+    with the rows padded to 32 or 64 equals the two-launch path."""
+    x, w, b = _problem(37, 100, torch.bfloat16, True)
+    many = (x.float() * torch.linspace(-2, 2, rows, device=x.device)[:, None]).to(x.dtype)
+    out = skinny_linear_silu_mul(many, w, b)
+    assert out.shape == (rows, 37)
+    assert _ulps(out, _unfused(many, w, b)) <= MAX_ULPS
+    ref = skinny_linear_silu_mul_torch(many, w, b).float()
+    assert torch.allclose(out.float(), ref, rtol=2**-5, atol=2**-6)  # gate and up rounded before their product

@@ -10,7 +10,7 @@ steps stay CUDA-graph safe:
 
   - Linear layers (`linear`, `linear_silu_mul`): tensor-core Triton kernels
     only, one program per output over the whole K (no split-K): the skinny
-    kernel's MMA path (kernels/gemv/, never its FMA path) for up to 8 rows,
+    kernel's MMA path (kernels/gemv/, never its FMA path) for up to 16 rows,
     kernels/gemm/triton.py above. A row's bits do not depend on the tiles
     (kernels/gemm/triton.py says what was measured), so both can pick tiles
     per M. cuBLAS is never called.
@@ -55,10 +55,14 @@ from tinyengine.kernels.gemm.triton import matmul
 from tinyengine.kernels.gemv.reference import rms_norm_linear_of
 from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
-from tinyengine.kernels.gemv.triton import MAX_M, _num_sms, skinny_linear
+from tinyengine.kernels.gemv.triton import _num_sms, skinny_linear
 from tinyengine.kernels.mla.triton import launch_mla_decode
 
 _MIN_TILE_ROWS = 64  # attention tile rows at least (module docstring)
+# Rows on the skinny kernel's tensor-core path; more go to the GEMM. Either
+# forms a row's sum as the same MMA chain (kernels/gemm/triton.py), so the
+# bound moves speed, not bits.
+_SKINNY_MAX_ROWS = 16
 # One row on tensor cores: 64 weight rows a program, 128-wide K steps, six
 # stages in flight. Within ~5% of the FMA kernel's default on every
 # Llama-3-8B decode shape on an H200 (the 2..8-row config, tuned for the MMA
@@ -73,7 +77,7 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _skinny_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
-    """The skinny kernel's tensor-core config for m <= 8 rows (never FMA,
+    """The skinny kernel's tensor-core config for m <= 16 rows (never FMA,
     M == 1's default)."""
     return _ONE_ROW if m == 1 else pick_config(m, n, k, _num_sms(device), tensor_cores=True)
 
@@ -82,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear on tensor cores whatever the row count (module docstring)."""
     x2 = _rows_2d(x)
     m, (n, k) = x2.shape[0], weight.shape
-    if 0 < m <= MAX_M:
+    if 0 < m <= _SKINNY_MAX_ROWS:
         out = skinny_linear(x2, weight, bias, config=_skinny_config(m, n, k, x.device))
     else:
         out = matmul(x2, weight, bias)

@@ -1,7 +1,7 @@
 """Tensor-core GEMM: y = x W^T (+ b) for x [M, K], W [N, K], any M.
 
 The batch-invariant op set (kernels/batch_invariant_triton.py) sends every
-linear layer with more than 8 rows here (8 or fewer go to the skinny
+linear layer with more than 16 rows here (16 or fewer go to the skinny
 kernel's tensor-core path, kernels/gemv/), instead of cuBLAS, whose
 algorithm, and with it the order each output's K products are summed in,
 follows the call's shape: the same row rounds differently at M = 1, 7 and

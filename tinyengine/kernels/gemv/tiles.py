@@ -33,7 +33,7 @@ class GemvConfig:
 # ---- Tuning constants (edit these after benchmarks/bench_gemv.py's sweep) ----
 # Default for M == 1 (batch-1 decode).
 M1_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
-# Default for 2 <= M <= 16 (tl.dot needs BLOCK_N >= 16); its split over K
+# Default for 2 <= M <= 64 (tl.dot needs BLOCK_N >= 16); its split over K
 # comes from SPLIT_K_* below.
 MN_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, use_dot=True)
 # DOT tiles: a matrix with fewer output tiles than SMs / SPLIT_K_BELOW (the
@@ -42,7 +42,7 @@ MN_CONFIG = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, use_d
 SPLIT_K_BELOW = 2
 SPLIT_K_MAX = 8
 # Per-shape overrides, keyed (m_bucket, N, K) with m_bucket 1 for M == 1 and 8
-# for 2 <= M <= 16 (those must have use_dot=True); e.g.
+# for 2 <= M <= 64 (those must have use_dot=True); e.g.
 # {(1, 4096, 14336): GemvConfig(4, 1024, 4, 3, False)}. Overrides are used as-is.
 SHAPE_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 # M == 1 with K up to this: one K step per program (BLOCK_K = next power of
