@@ -1,11 +1,17 @@
 """Skinny GEMM benchmark: cuBLAS (F.linear) vs the Triton skinny kernel
-(tinyengine/kernels/gemv/triton.py) on the Llama-3-8B decode shapes, M in {1, 2, 4, 8}, plus a
-config sweep (M == 1, and a smaller one for M == 8) printing the best config
-per shape and a SHAPE_CONFIGS snippet to paste into tinyengine/kernels/gemv/tiles.py.
+(tinyengine/kernels/gemv/triton.py) on a model's decode shapes (Llama-3-8B at
+M in {1, 2, 4, 8}; qwen3-0.6b at M in {1, 8, 16, 32, 64, 256}, past the
+kernel's 64 rows cuBLAS alone), plus a config sweep (M == 1, and a smaller
+one for M == 8) printing the best config per shape and a SHAPE_CONFIGS
+snippet to paste into tinyengine/kernels/gemv/tiles.py.
 
     python benchmarks/bench_gemv.py              # everything (under two minutes)
     python benchmarks/bench_gemv.py --no-sweep   # comparison only
+    python benchmarks/bench_gemv.py --model qwen3-0.6b --no-sweep
     python benchmarks/bench_gemv.py --dry-run    # list shapes and configs (CPU ok)
+
+The kernel runs as the engine runs it, with a workspace (so the config's
+split over K happens).
 
 Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph).
 Each timed call walks over several copies of the weight (>= 256 MiB in all)
@@ -27,7 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config  # noqa: E402
-from tinyengine.kernels.gemv.triton import skinny_linear  # noqa: E402
+from tinyengine.kernels.gemv.triton import MAX_M, skinny_linear  # noqa: E402
+from tinyengine.kernels.workspace import Workspace  # noqa: E402
 
 SHAPES = [  # (name, N, K): Llama-3-8B, tp=1
     ("qkv", 6144, 4096),
@@ -38,6 +45,14 @@ SHAPES = [  # (name, N, K): Llama-3-8B, tp=1
 ]
 LAYERS = 32  # per-token linear time = 32 x (qkv + o + gate_up + down) + lm_head
 MS = [1, 2, 4, 8]
+MODELS = {  # --model: (shapes, layers, row counts)
+    "llama3-8b": (SHAPES, LAYERS, MS),
+    "qwen3-0.6b": (
+        [("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024),
+         ("down", 1024, 3072), ("lm_head", 151936, 1024)],
+        28, [1, 8, 16, 32, 64, 256],
+    ),
+}  # fmt: skip
 READ_TBS = 4.42  # HBM read bandwidth of the roofline, as the latency runs measure it
 ROTATE_BYTES = 256 * 2**20
 
@@ -107,7 +122,7 @@ def dry_run(num_sms: int) -> None:
     print(f"shapes (N, K): {[(s, n, k) for s, n, k in SHAPES]}; M in {MS}")
     print(f"default configs with {num_sms} SMs (tinyengine.kernels.gemv.tiles.pick_config):")
     for name, n, k in SHAPES:
-        for m in MS:
+        for m in (m for m in MS if m <= MAX_M):  # past MAX_M: cuBLAS
             cfg = pick_config(m, n, k, num_sms)
             progs = -(-n // max(cfg.block_n, 16 if cfg.use_dot else 1))
             print(f"  {name:<8} M={m}: {cfg}  ({progs} programs)")
@@ -120,7 +135,10 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="list configs, no GPU needed")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--rep", type=int, default=20, help="ms per do_bench_cudagraph replay")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     args = ap.parse_args()
+    global SHAPES, LAYERS, MS
+    SHAPES, LAYERS, MS = MODELS[args.model]
     if args.dry_run or not torch.cuda.is_available():
         if not args.dry_run:
             print("no CUDA device: showing the dry run")
@@ -133,10 +151,15 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name(dev)}, {num_sms} SMs; roofline {READ_TBS} TB/s read")
     print(
-        f"{'shape':<8} {'M':>2} {'cuBLAS us':>10} {'TB/s':>6} {'skinny us':>10} {'TB/s':>6}"
+        f"{'shape':<8} {'M':>3} {'cuBLAS us':>10} {'TB/s':>6} {'skinny us':>10} {'TB/s':>6}"
         f" {'speedup':>7} {'%roof':>6} {'err vs cuBLAS':>13} {'err vs fp32':>11}  config"
     )
     totals = {m: [0.0, 0.0] for m in MS}  # per-token linear time (cuBLAS, skinny)
+    arena = Workspace(dev)  # the engine's linears take the runner's: the split's scratch
+
+    def skinny(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(a, b, workspace=arena)
+
     best1: dict[str, tuple[float, GemvConfig]] = {}
     best8: dict[str, tuple[float, GemvConfig]] = {}
     default_us: dict[tuple[str, int], float] = {}
@@ -147,18 +170,23 @@ def main() -> None:
         mult = 1 if name == "lm_head" else LAYERS
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            us_cb = per_call_us(F.linear, x, ws, args.rep)
+            if m > MAX_M:  # past the kernel's rows the dispatcher runs cuBLAS
+                totals[m][0] += mult * us_cb
+                totals[m][1] += mult * us_cb
+                print(f"{name:<8} {m:>3} {us_cb:>10.1f} {tbs(n, k, us_cb):>6.2f}  (cuBLAS only)")
+                continue
             ref32 = x.float() @ ws[0].float().T
             y_cb = F.linear(x, ws[0])
-            y_sk = skinny_linear(x, ws[0])
+            y_sk = skinny(x, ws[0])
             err_cb = (y_sk.float() - y_cb.float()).abs().max().item()
             err_32 = (y_sk.float() - ref32).abs().max().item()
-            us_cb = per_call_us(F.linear, x, ws, args.rep)
-            us_sk = per_call_us(skinny_linear, x, ws, args.rep)
+            us_sk = per_call_us(skinny, x, ws, args.rep)
             default_us[(name, m)] = us_sk
             totals[m][0] += mult * us_cb
             totals[m][1] += mult * us_sk
             print(
-                f"{name:<8} {m:>2} {us_cb:>10.1f} {tbs(n, k, us_cb):>6.2f} {us_sk:>10.1f}"
+                f"{name:<8} {m:>3} {us_cb:>10.1f} {tbs(n, k, us_cb):>6.2f} {us_sk:>10.1f}"
                 f" {tbs(n, k, us_sk):>6.2f} {us_cb / us_sk:>6.2f}x"
                 f" {100 * tbs(n, k, us_sk) / READ_TBS:>5.0f}% {err_cb:>13.2e} {err_32:>11.2e}"
                 f"  {pick_config(m, n, k, num_sms)}",
@@ -172,11 +200,13 @@ def main() -> None:
                 line = []
                 for cfg in sweep:
                     try:
-                        y = skinny_linear(x, ws[0], config=cfg)
+                        y = skinny_linear(x, ws[0], config=cfg, workspace=arena)
                         err = (y.float() - ref32).abs().max().item()
-                        us = per_call_us(
-                            lambda a, b, c=cfg: skinny_linear(a, b, config=c), x, ws, rep
-                        )
+
+                        def op(a, b, c=cfg):
+                            return skinny_linear(a, b, config=c, workspace=arena)
+
+                        us = per_call_us(op, x, ws, rep)
                     except Exception as e:  # out of resources etc.: skip the config
                         print(f"    sweep {name} M={m} {cfg}: failed ({type(e).__name__})")
                         continue
