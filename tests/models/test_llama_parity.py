@@ -5,13 +5,21 @@ batch, padded batches, greedy generation and layer truncation."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.hf_models import TINY_VARIANTS, hf_greedy, hf_logits, make_tiny_hf_model
+from tests.hf_models import (
+    LLAMA3_ROPE,
+    TINY_VARIANTS,
+    YARN_ROPE,
+    hf_greedy,
+    hf_logits,
+    make_tiny_hf_model,
+)
 from tests.models.forward_harness import PagedHarness, load_tiny
 
 ATOL = 1e-4  # fp32 end to end; the differences are summation order only
@@ -135,3 +143,40 @@ def test_bfloat16_model_is_close_to_fp32(tiny_model_dir: Callable[[str], Path]) 
     ours = PagedHarness(model).step({0: tokens})[0]
     assert ours.dtype == torch.bfloat16  # logits stay in the model's dtype
     assert max_diff(ours.float(), ref) < 0.25 * ref.abs().max().item()
+
+
+def _edit_config(path: Path, edit: Callable[[dict], None]) -> None:
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    edit(config)
+    config_file.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("rope", ["llama3", "yarn"])
+def test_top_level_original_context_wins_as_in_hf(rope: str, tmp_path: Path) -> None:
+    """A legacy rope_scaling dict without original_max_position_embeddings,
+    and that key at the top level of config.json (Phi-3's spelling): HF takes
+    the top-level value, not max_position_embeddings (256 here)."""
+    params = dict(LLAMA3_ROPE if rope == "llama3" else YARN_ROPE)
+    path = make_tiny_hf_model("llama", tmp_path, rope_parameters=params)
+
+    def legacy(config: dict) -> None:
+        scaling = {k: v for k, v in config.pop("rope_parameters").items()
+                   if k not in ("original_max_position_embeddings", "rope_theta")}  # fmt: skip
+        config.update(rope_scaling=scaling, rope_theta=10000.0)
+        config["original_max_position_embeddings"] = 32
+
+    _edit_config(path, legacy)
+    tokens = prompt(70)
+    ours = PagedHarness(load_tiny(path), num_blocks=16).step({0: tokens})[0]
+    assert max_diff(ours, hf_logits(path, tokens)) <= ATOL
+
+
+def test_qwen3_without_head_dim_takes_its_default(tmp_path: Path) -> None:
+    """Qwen3Config's head_dim is 128 when config.json omits it (Llama's is
+    hidden_size // heads, 16 for these tiny widths)."""
+    path = make_tiny_hf_model("qwen3", tmp_path, head_dim=128)
+    _edit_config(path, lambda config: config.pop("head_dim"))
+    tokens = prompt(20)
+    ours = PagedHarness(load_tiny(path)).step({0: tokens})[0]
+    assert max_diff(ours, hf_logits(path, tokens)) <= ATOL

@@ -54,8 +54,11 @@ class LlamaArgs:
         qkv_bias: bool | None = None,
         o_bias: bool | None = None,
         qk_norm: bool = False,
+        defaults: dict[str, Any] | None = None,
     ) -> None:
-        c = hf_config
+        # `defaults`: the architecture's own values for keys config.json may
+        # omit, where they differ from Llama's (transformers' config classes).
+        c = {**(defaults or {}), **hf_config}
         missing = [key for key in _REQUIRED_KEYS if c.get(key) is None]
         if missing:
             raise ValueError(
@@ -65,7 +68,7 @@ class LlamaArgs:
         self.hidden_size: int = c["hidden_size"]
         self.num_hidden_layers: int = c["num_hidden_layers"]
         self.num_heads: int = c["num_attention_heads"]
-        self.num_kv_heads: int = c.get("num_key_value_heads") or self.num_heads
+        self.num_kv_heads: int = c.get("num_key_value_heads") or self.num_heads  # null: MHA
         self.head_dim: int = c.get("head_dim") or self.hidden_size // self.num_heads
         self.intermediate_size: int = c["intermediate_size"]
         self.vocab_size: int = c["vocab_size"]
@@ -252,12 +255,14 @@ class LlamaForCausalLM(CausalLM):
     _qkv_bias: bool | None = None
     _o_bias: bool | None = None
     _qk_norm: bool = False
+    _config_defaults: dict[str, Any] = {}
 
     def __init__(self, hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         args = LlamaArgs(
-            hf_config, qkv_bias=self._qkv_bias, o_bias=self._o_bias, qk_norm=self._qk_norm
-        )
+            hf_config, qkv_bias=self._qkv_bias, o_bias=self._o_bias, qk_norm=self._qk_norm,
+            defaults=self._config_defaults,
+        )  # fmt: skip
         self.args = args
         self.model = LlamaModel(args, tp_rank, tp_size)
         self._add_lm_head(tp_rank, tp_size)
@@ -274,10 +279,17 @@ class LlamaForCausalLM(CausalLM):
         return []
 
 
+# Qwen2Config's and Qwen3Config's defaults that differ from LlamaConfig's
+# (a missing num_key_value_heads is 32 there, an explicit null is MHA).
+_QWEN_DEFAULTS = {"max_position_embeddings": 32768, "num_key_value_heads": 32}
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     _qkv_bias = True
     _o_bias = False
+    _config_defaults = _QWEN_DEFAULTS
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     _qk_norm = True
+    _config_defaults = {**_QWEN_DEFAULTS, "head_dim": 128}

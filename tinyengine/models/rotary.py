@@ -44,11 +44,18 @@ def get_rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
         params.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
     theta = params.get("rope_theta", hf_config.get("rope_theta", _DEFAULT_ROPE_THETA))
     params["rope_theta"] = float(theta)
-    if params["rope_type"] == "llama3":
-        # Same fallback as HF: the pretraining context is the current one.
-        params.setdefault(
-            "original_max_position_embeddings", hf_config.get("max_position_embeddings")
-        )
+    if params["rope_type"] in ("llama3", "yarn"):
+        # As transformers does: a top-level original_max_position_embeddings
+        # (Phi-3's spelling) wins over the rope dict's; without either, the
+        # pretraining context is the current one.
+        if "original_max_position_embeddings" in hf_config:
+            params["original_max_position_embeddings"] = hf_config[
+                "original_max_position_embeddings"
+            ]
+        else:
+            params.setdefault(
+                "original_max_position_embeddings", hf_config.get("max_position_embeddings")
+            )
     return params
 
 
