@@ -180,3 +180,20 @@ def test_qwen3_without_head_dim_takes_its_default(tmp_path: Path) -> None:
     tokens = prompt(20)
     ours = PagedHarness(load_tiny(path)).step({0: tokens})[0]
     assert max_diff(ours, hf_logits(path, tokens)) <= ATOL
+
+
+def test_legacy_rope_scaling_beside_rope_parameters_wins(tmp_path: Path) -> None:
+    """config.json as transformers 5 saves it (rope_parameters: default RoPE)
+    with YaRN added in the legacy spelling: transformers takes rope_scaling
+    whole, so must the engine."""
+    path = make_tiny_hf_model("llama", tmp_path)
+
+    def add_yarn(config: dict) -> None:
+        assert config["rope_parameters"]["rope_type"] == "default"
+        config["rope_scaling"] = {"type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 32}  # fmt: skip
+
+    _edit_config(path, add_yarn)
+    tokens = prompt(70)
+    ours = PagedHarness(load_tiny(path), num_blocks=16).step({0: tokens})[0]
+    assert max_diff(ours, hf_logits(path, tokens)) <= ATOL

@@ -28,16 +28,18 @@ _DEFAULT_ROPE_THETA = 10000.0
 
 
 def get_rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """One flat dict {rope_type, rope_theta, ...} from either config.json spelling."""
-    params: dict[str, Any] = dict(hf_config.get("rope_parameters") or {})
+    """One flat dict {rope_type, rope_theta, ...} from either config.json spelling.
+    As in transformers, a legacy rope_scaling dict, when given, replaces
+    rope_parameters whole (transformers 5 writes rope_parameters on save, so
+    YaRN added to a saved config in DeepSeek's spelling sits beside it)."""
+    params: dict[str, Any] = dict(
+        hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    )
     if any(isinstance(value, dict) for value in params.values()):
         raise ValueError(
             "per-layer-type rope_parameters (a nested dict) are not supported by the "
             "Llama family here; config.json must hold one flat rope_parameters dict"
         )
-    legacy = hf_config.get("rope_scaling") or {}
-    for key, value in legacy.items():
-        params.setdefault(key, value)
     # Old configs say "type"; new ones "rope_type".
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     if "partial_rotary_factor" in hf_config:  # old spelling: top level
