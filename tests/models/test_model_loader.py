@@ -197,6 +197,20 @@ def test_unexpected_tensor_is_named(tmp_path: Path) -> None:
         load_tiny(path)
 
 
+def test_quantized_checkpoint_names_its_quantization(tmp_path: Path) -> None:
+    # An FP8 checkpoint's scales are tensors no parameter takes: the error
+    # says the checkpoint is quantized, not only which tensors are left over.
+    path = make_tiny_hf_model("llama", tmp_path)
+    scale = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    rewrite_checkpoint(path, lambda t: t.update({scale: torch.ones(1, 1)}))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3"}
+    (path / "config.json").write_text(json.dumps(config))
+    refused = r"quant_method 'fp8'\) are not supported.*weight_scale_inv"
+    with pytest.raises(ValueError, match=refused):
+        load_tiny(path)
+
+
 def test_shape_mismatch_names_the_tensor(tmp_path: Path) -> None:
     path = make_tiny_hf_model("llama", tmp_path)
     rewrite_checkpoint(

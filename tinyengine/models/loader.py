@@ -123,10 +123,18 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, float(hf_config.get("initializer_range") or 0.02))
     else:
-        load_weights(
-            model, folder, weight_map, num_hidden_layers=hf_config["num_hidden_layers"],
-            threads=threads,
-        )  # fmt: skip
+        try:
+            load_weights(
+                model, folder, weight_map, num_hidden_layers=hf_config["num_hidden_layers"],
+                threads=threads,
+            )  # fmt: skip
+        except ValueError as e:
+            if quant := hf_config.get("quantization_config"):  # e.g. FP8 scales: name the cause
+                method = quant.get("quant_method") if isinstance(quant, dict) else quant
+                raise ValueError(f"quantized checkpoints (quantization_config, quant_method "
+                                 f"{method!r}) are not supported, only bf16/fp16/fp32 weights: "
+                                 f"{e}") from e  # fmt: skip
+            raise
     return model.eval()
 
 
