@@ -247,3 +247,12 @@ def test_swiglu_limit_clamps_like_the_reference(cls: int) -> None:
                                       config=triton_moe.CLASS_CONFIGS[cls])  # fmt: skip
     assert rel_err(out, ref) < TOL[torch.float32]
     assert rel_err(moe_ref.fused_moe(x, w13, w2, weights, ids), ref) > 0.1
+
+
+def test_a_swiglu_limit_of_zero_still_clamps() -> None:
+    """swiglu_limit = 0 clamps gate to <= 0 and up to 0 (as HF's clamp does),
+    so every expert's output is 0; only None means no clamp."""
+    x, w13, w2, weights, ids = make(6, 64, 32, 8, 2, torch.float32)
+    ref = moe_ref.fused_moe(x, w13, w2, weights, ids, swiglu_limit=0.0)
+    out = triton_moe.launch_fused_moe(x, w13, w2, weights, ids, swiglu_limit=0.0)
+    assert not ref.any() and not out.any()

@@ -159,3 +159,31 @@ def test_warmup_names_the_moe_size_classes(model_and_reference):
     counts = model.warmup_token_counts(4096)
     assert counts == moe_token_classes(4096, moe.top_k, moe.num_experts)
     assert len(counts) > 1 and counts[0] == 1 and counts[-1] <= 4096
+
+
+def _greedy_matches_hf_alone(path, prompts) -> LLM:
+    tokens, logits = hf_greedy(path, prompts, MAX_NEW)
+    logprobs = [[torch.log_softmax(step, dim=-1) for step in seq] for seq in logits]
+    llm = LLM(str(path), print_startup_report=False, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_greedy_matches(outs, tokens, logprobs)
+    _assert_idle(llm)
+    return llm
+
+
+def test_sliding_layers_only_start_with_default_sizing(tmp_path):
+    """Every layer sliding: the full-history group holds no bytes a block, so
+    KV sizing gives it the blocks every sequence could use (it divided by
+    zero before) and the tokens are HF's."""
+    layers = ["sliding_attention"] * 2
+    path = make_tiny_v4(tmp_path, num_hidden_layers=2, layer_types=layers)
+    llm = _greedy_matches_hf_alone(path, PROMPTS[:4])
+    assert llm.stats()["num_total_blocks"] >= llm.engine.runner.max_blocks_per_seq
+
+
+def test_one_shared_expert_whatever_n_shared_experts_says(tmp_path):
+    """transformers' V4 builds one shared expert of moe_intermediate_size
+    whatever n_shared_experts is; its checkpoints load and match."""
+    path = make_tiny_v4(tmp_path, n_shared_experts=2)
+    _greedy_matches_hf_alone(path, PROMPTS[:3])

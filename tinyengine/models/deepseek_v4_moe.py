@@ -99,10 +99,12 @@ class V4MoE(nn.Module):
         self.limit, self.tp_size = args.swiglu_limit, tp_size
         self.gate = V4Router(args, hashed)
         self.experts = FusedExperts(cfg, tp_rank, tp_size, expert_parallel=expert_parallel)
+        # One shared expert of moe_intermediate_size whatever n_shared_experts
+        # says: transformers' V4 builds it so (its config maps
+        # intermediate_size to moe_intermediate_size), and V4-Flash has one.
         self.shared_experts = ClampedSwiGLU(
-            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, self.limit,
-            tp_rank, tp_size,
-        )  # fmt: skip
+            cfg.hidden_size, cfg.moe_intermediate_size, self.limit, tp_rank, tp_size
+        )
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext

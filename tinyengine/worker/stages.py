@@ -247,7 +247,11 @@ class StartupStages:
         else:
             budget = int(cfg.cpu_kv_cache_gib * 2**30)
             where = f"cpu_kv_cache_gib={cfg.cpu_kv_cache_gib}"
-        num_blocks = max((budget - sliding_bytes) // per_block, 0)
+        spare = budget - sliding_bytes
+        if per_block > 0:
+            num_blocks = max(spare // per_block, 0)
+        else:  # no layer keeps full history (V4 with sliding layers only): blocks cost nothing
+            num_blocks = cfg.max_num_seqs * runner.max_blocks_per_seq if spare >= 0 else 0
         num_blocks = useful_blocks(num_blocks, cfg.max_num_seqs, runner.max_blocks_per_seq)
         if num_blocks < runner.max_blocks_per_seq:
             raise ValueError(

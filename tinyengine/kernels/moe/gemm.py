@@ -193,11 +193,12 @@ def _gate_up_mma(x_ptr, xt_desc, w13, x_ptrs, g_ptrs, u_ptrs, row0, w_row, offs_
 def _store_swiglu(acc_g, acc_u, act_ptr, rows, row_ok, offs_n, stride_am, INTER: tl.constexpr,
                   LIMIT: tl.constexpr):  # fmt: skip
     """act[rows, offs_n] = silu(gate) * up, gate and up first rounded to the
-    weights' dtype (like the reference's bf16 F.linear); with LIMIT > 0
-    (DeepSeek-V4's swiglu_limit) gate <= LIMIT and -LIMIT <= up <= LIMIT."""
+    weights' dtype (like the reference's bf16 F.linear); with a LIMIT
+    (DeepSeek-V4's swiglu_limit, not None; 0 too) gate <= LIMIT and
+    -LIMIT <= up <= LIMIT."""
     gate = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
     up = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
-    if LIMIT > 0:
+    if LIMIT is not None:
         gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -214,7 +215,7 @@ def _gate_up_kernel(
     NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_M: tl.constexpr,
     UPCAST: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SWIGLU_LIMIT: tl.constexpr = 0.0,
+    SWIGLU_LIMIT: tl.constexpr = None,
 ):  # fmt: skip
     """Grid (max M-blocks * cdiv(I, BLOCK_N),). act[row, n] = silu(x_t . gate_n) *
     (x_t . up_n) for the sorted rows of one expert's M-block; row r holds pair

@@ -244,7 +244,8 @@ def _gate_up_launch(x: torch.Tensor, w13: torch.Tensor, s: _Scratch, top_k: int,
         E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=c["block_m"],
         BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], TAIL_M=tail, UPCAST=interpreting(),
         TMA_A=tma_a, TMA_W=tma_w, num_warps=c["num_warps"], num_stages=c["num_stages"],
-        DOT_PRECISION=dot_precision(w13.dtype), SWIGLU_LIMIT=float(swiglu_limit or 0.0),
+        DOT_PRECISION=dot_precision(w13.dtype),
+        SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit),  # 0 clamps too
     )  # fmt: skip
     launches.append((_gate_up_kernel, grid, args, kwargs))
     return launches
