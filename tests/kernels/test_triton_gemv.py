@@ -57,7 +57,7 @@ def test_skinny_linear_default_config(
 @pytest.mark.parametrize("m", [9, 16, 17, 33, 64])
 @pytest.mark.parametrize("n,k", [(200, 256), (33, 96)])
 def test_skinny_linear_up_to_64_rows(dtype: torch.dtype, m: int, n: int, k: int) -> None:
-    """9-64 rows (the dispatcher's bound, DISPATCH_MAX_M): the DOT loop with
+    """9-64 rows (the dispatcher's bound, MAX_M): the DOT loop with
     the rows padded to 16, 32 or 64, on the default config and split over K
     with a workspace, every row equal to the fp32 product."""
     x, w, b, ref = _problem(m, n, k, dtype, True)

@@ -288,7 +288,7 @@ def test_gpu_dispatch_fallback_and_graph_capture() -> None:
 
 @pytest.mark.parametrize("rows", [17, 40, 64])
 def test_fused_serves_up_to_64_rows(rows: int) -> None:
-    """Past 16 rows (the dispatcher sends up to DISPATCH_MAX_M): the DOT tile
+    """Past 16 rows (the dispatcher sends up to MAX_M): the DOT tile
     with the rows padded to 32 or 64 equals the two-launch path."""
     x, w, b = _problem(37, 100, torch.bfloat16, True)
     many = (x.float() * torch.linspace(-2, 2, rows, device=x.device)[:, None]).to(x.dtype)

@@ -18,7 +18,7 @@ activation needs each whole sum).
 
 `linear_silu_mul(x, gate_up_weight, bias)` is the Triton op set's
 linear_silu_mul (the reference: gemv/reference.py): the fused kernel when
-`skinny_linear_ok` holds for x (up to DISPATCH_MAX_M rows), else `linear`
+`skinny_linear_ok` holds for x (up to MAX_M rows), else `linear`
 then the activation.
 `skinny_linear_silu_mul(config=...)` takes a tile override for tests and
 sweeps; `linear_silu_mul` never does.
@@ -86,7 +86,7 @@ def linear_silu_mul(
 ) -> torch.Tensor:
     """silu(gate) * up of F.linear(x, weight, bias) for a gate_up weight
     [2I, K]: one fused launch where the skinny kernel applies (x of up to
-    DISPATCH_MAX_M rows), otherwise `linear` then the op set's activation."""
+    MAX_M rows), otherwise `linear` then the op set's activation."""
     if (
         x.dim() == 2
         and weight.shape[0] % 2 == 0

@@ -38,7 +38,7 @@ args), all compiled during the engine's warmup of each decode batch size.
 
 `linear(x, weight, bias, workspace=None)` is the Triton op set's linear (its
 reference is F.linear; the op set binds the runner's workspace): the kernel
-when `skinny_linear_ok` holds (up to DISPATCH_MAX_M rows), F.linear otherwise. The
+when `skinny_linear_ok` holds (up to MAX_M rows), F.linear otherwise. The
 kernel also has a fused gate_up + SiLU-and-mul epilogue (constexpr
 FUSE_SILU_MUL), launched by gemv/silu.py. Tiles: gemv/tiles.py;
 `skinny_linear(config=...)` takes an override for benchmarks/bench_gemv.py's
@@ -61,6 +61,11 @@ from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config
 from tinyengine.kernels.launch import interpreting, num_sms, pdl_kwargs
 from tinyengine.kernels.workspace import Workspace
 
+# The most rows the kernel takes, and the dispatcher sends (the rest go to
+# F.linear): on a 0.6B model's linears the DOT loop beat cuBLAS per matrix at
+# 16 rows and on the sum of a layer's four at 64, and the decode step at
+# 12-64 rows was 2-12% faster with it (the fused gate_up + SiLU launch
+# included); at 256 rows cuBLAS won every matrix (docs/benchmarks.md).
 MAX_M = 64
 
 
@@ -106,36 +111,28 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     )  # fmt: skip
 
 
-# Rows the dispatcher sends to the kernel (the rest go to F.linear): on a
-# 0.6B model's linears the DOT loop beat cuBLAS per matrix at 16 rows and on
-# the sum of a layer's four at 64, and the decode step at 12-64 rows was
-# 2-12% faster with it (the fused gate_up + SiLU launch included); at 256
-# rows cuBLAS won every matrix (docs/benchmarks.md).
-DISPATCH_MAX_M = MAX_M
-# ... and, for more than one row, only weights up to this many bytes: the DOT
-# loop beat cuBLAS at 2-8 rows on a 0.6B model's 4-13 MB matrices (cuBLAS's
-# large-M tiles leave them few programs), while on Llama-3-8B's 33-235 MB
-# ones cuBLAS won (docs/benchmarks.md); one row always takes the kernel.
+# For more than one row the dispatcher sends only weights up to this many
+# bytes: the DOT loop beat cuBLAS at 2-8 rows on a 0.6B model's 4-13 MB
+# matrices (cuBLAS's large-M tiles leave them few programs), while on
+# Llama-3-8B's 33-235 MB ones cuBLAS won (docs/benchmarks.md); one row
+# always takes the kernel.
 DISPATCH_MAX_BYTES_MULTI_ROW = 16 << 20
 
 
 def skinny_linear_ok(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> bool:
-    """Use the Triton kernel? On CUDA, 2-D x with up to DISPATCH_MAX_M rows
-    (more than one: a weight of at most DISPATCH_MAX_BYTES_MULTI_ROW),
-    bf16/fp16, contiguous weight of the same dtype; otherwise the caller
-    uses F.linear."""
+    """Use the Triton kernel? On CUDA, 2-D x with up to MAX_M rows (more
+    than one: a weight of at most DISPATCH_MAX_BYTES_MULTI_ROW), bf16/fp16,
+    contiguous weight of the same dtype; otherwise the caller uses F.linear."""
     return (
         x.is_cuda
         and weight.is_cuda
-        and x.dim() == 2
-        and x.shape[0] <= DISPATCH_MAX_M
+        and _eligible(x, weight, bias)
         and (
             x.shape[0] == 1
             or weight.numel() * weight.element_size() <= DISPATCH_MAX_BYTES_MULTI_ROW
         )
-        and _eligible(x, weight, bias)
     )
 
 
