@@ -106,6 +106,10 @@ def test_tensor_parallel_shards_and_refusals() -> None:
     assert qkv.weight[:4, 0].tolist() == [4.0, 5.0, 6.0, 7.0]  # rank 1's two q heads
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible"):
         LlamaForCausalLM(TINY, tp_rank=0, tp_size=3)
+    # Heads that divide but an MLP width that does not: the error names the config field.
+    odd_mlp = dict(TINY, intermediate_size=130)
+    with pytest.raises(ValueError, match="intermediate_size=130 is not divisible by tensor_par"):
+        LlamaForCausalLM(odd_mlp, tp_rank=0, tp_size=4)
 
 
 def test_model_api_shapes() -> None:

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from tinyengine.models.context import ForwardContext, KVCacheSpec
-from tinyengine.models.layers import CausalLM, DecoderStack, PreNormDecoderLayer, RMSNorm
+from tinyengine.models.layers import CausalLM, DecoderStack, PreNormDecoderLayer, RMSNorm, SwiGLUMLP
 from tinyengine.models.mla import DeepseekRotaryEmbedding, MLAAttention, MLADims, mla_softmax_scale
-from tinyengine.models.moe import DeepseekMoE, MoEConfig, SwiGLUMLP, expert_range
+from tinyengine.models.moe import DeepseekMoE, MoEConfig, expert_range
 from tinyengine.models.parallel_layers import VocabParallelEmbedding
 from tinyengine.models.rotary import get_rope_parameters
 

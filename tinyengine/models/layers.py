@@ -1,4 +1,5 @@
-"""Building blocks shared by the model families: RMSNorm, SiLU-and-mul, the
+"""Building blocks shared by the model families: RMSNorm, SiLU-and-mul and
+the SwiGLU MLP, the
 paged attention layer that talks to the KV cache through the ForwardContext,
 the decoder wiring, and `CausalLM`, the LM head and entry points every
 *ForCausalLM shares. The linear layers, the embedding and their weight
@@ -16,10 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinyengine.distributed.tp import shard
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext
 from tinyengine.models.parallel_layers import (
     LinearBase,
+    MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -77,6 +80,28 @@ class SiluAndMul(nn.Module):
         """self(gate_up(x)) as one op: the Triton set runs a one-row x
         (batch-1 decode) as one GEMV launch with the activation in its epilogue."""
         return ops.linear_silu_mul(x, gate_up.weight, gate_up.bias)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into gate_up_proj."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp_rank: int, tp_size: int,
+        what: str = "intermediate_size",
+    ) -> None:  # fmt: skip
+        super().__init__()
+        # Each rank holds an equal slice of the features; `what` names the
+        # config field in the error when tensor_parallel_size does not divide it.
+        shard(intermediate_size, tp_rank, tp_size, what)
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, **tp
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x, ops), ops)
 
 
 class PreNormDecoderLayer(nn.Module):

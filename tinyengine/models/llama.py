@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext, KVCacheSpec
 from tinyengine.models.layers import (
     CausalLM,
@@ -24,11 +23,10 @@ from tinyengine.models.layers import (
     PagedAttention,
     PreNormDecoderLayer,
     RMSNorm,
-    SiluAndMul,
+    SwiGLUMLP,
     norm_linear,
 )
 from tinyengine.models.parallel_layers import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -168,23 +166,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size), ctx.ops)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, args: LlamaArgs, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias,
-            tp_rank=tp_rank, tp_size=tp_size,
-        )  # fmt: skip
-        self.down_proj = RowParallelLinear(
-            args.intermediate_size, args.hidden_size, bias=args.mlp_bias,
-            tp_rank=tp_rank, tp_size=tp_size,
-        )  # fmt: skip
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
-        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x, ops), ops)
-
-
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
@@ -196,7 +177,9 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(args, layer_idx, rotary_emb, tp_rank, tp_size)
-        self.mlp = LlamaMLP(args, tp_rank, tp_size)
+        self.mlp = SwiGLUMLP(
+            args.hidden_size, args.intermediate_size, args.mlp_bias, tp_rank, tp_size
+        )
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

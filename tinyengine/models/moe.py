@@ -32,10 +32,8 @@ from tinyengine.distributed.tp import shard, tp_group
 from tinyengine.kernels.moe.tiles import moe_token_classes
 from tinyengine.kernels.opset import OpSet
 from tinyengine.models.context import ForwardContext
-from tinyengine.models.layers import SiluAndMul
+from tinyengine.models.layers import SwiGLUMLP
 from tinyengine.models.parallel_layers import (
-    MergedColumnParallelLinear,
-    RowParallelLinear,
     checkpoint_shape,
     default_weight_loader,
     mark_reads_part,
@@ -150,24 +148,6 @@ class MoEConfig:
                 )
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, {self.num_experts}]")
-
-
-class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused into gate_up_proj."""
-
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, tp_rank: int, tp_size: int
-    ) -> None:
-        super().__init__()
-        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, **tp
-        )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
-        return self.down_proj(self.act_fn.of_linear(self.gate_up_proj, x, ops), ops)
 
 
 class TopkRouter(nn.Module):
@@ -359,7 +339,7 @@ class DeepseekMoE(nn.Module):
         if cfg.n_shared_experts:
             self.shared_experts: SwiGLUMLP | None = SwiGLUMLP(
                 cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                cfg.mlp_bias, tp_rank, tp_size,
+                cfg.mlp_bias, tp_rank, tp_size, "moe_intermediate_size x n_shared_experts",
             )  # fmt: skip
         else:
             self.shared_experts = None
