@@ -1,10 +1,13 @@
-"""RMSNorm fused into the skinny GEMM (tinyengine/kernels/gemv/norm_linear.py,
-M == 1, one K step) vs the two launches it replaces (the norm kernel, then
-the skinny kernel with the same tile) and vs the torch reference; the
+"""RMSNorm fused into the skinny GEMM (tinyengine/kernels/gemv/norm_linear.py:
+the FMA tile in one K step, and the DOT loop over several) vs the two
+launches it replaces (the norm kernel, then the skinny kernel with the same
+tile) and vs the torch reference; the
 `rms_norm_linear` dispatcher; and the op sets' `rms_norm_linear`. On CPU the
 kernels run under the Triton interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from tinyengine.kernels import torch_ops
 from tinyengine.kernels.batch_invariant import batch_invariant_ops
 from tinyengine.kernels.gemv.reference import rms_norm_linear as rms_norm_linear_ref
 from tinyengine.kernels.gemv.silu import skinny_linear_silu_mul
-from tinyengine.kernels.gemv.triton import _num_sms, skinny_linear
+from tinyengine.kernels.gemv.triton import MAX_M, _num_sms, skinny_linear
 from tinyengine.kernels.norm.triton import rms_norm_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,13 +45,14 @@ def _fma_tile(x, w):
     return gemv_tiles.fma_config(x.shape[0], w.shape[0], w.shape[1], _num_sms(x.device))
 
 
-def _two_launches(x, nw, res, w, b, silu_mul):
-    """The norm kernel, then the skinny kernel with the tile the fused launch uses."""
+def _two_launches(x, nw, res, w, b, silu_mul, cfg=None):
+    """The norm kernel, then the skinny kernel with the tile the fused launch
+    uses (`cfg`, else the FMA tile)."""
     if res is None:
         h, new_res = rms_norm_triton(x, nw, EPS), x
     else:
         h, new_res = rms_norm_triton(x, nw, EPS, res)
-    cfg = _fma_tile(x, w)
+    cfg = cfg or _fma_tile(x, w)
     linear = skinny_linear_silu_mul if silu_mul else skinny_linear
     return linear(h, w, b, config=cfg), new_res
 
@@ -92,10 +96,42 @@ def test_fused_equals_norm_then_linear(dtype, n, k, residual, silu_mul, rows):
     assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * scale)
 
 
+# The DOT loop in 32-wide K steps, so a row spans several (K = 100: a
+# partial last one) and the prologue's first pass and per-step chunks both run.
+DOT_TILE = gemv_tiles.GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, use_dot=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(37, 100), (24, 256)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("rows", [3, 16, 17])
+def test_dot_loop_fused_equals_norm_then_linear(dtype, n, k, residual, silu_mul, rows):
+    x, res, nw, w, b = _problem(2 * n, k, dtype, bias=residual, residual=residual, rows=rows)
+    x_before = x.clone()
+    y, new_res = norm_linear.skinny_rms_norm_linear(x, nw, EPS, res, w, b, silu_mul=silu_mul,
+                                                    config=DOT_TILE)  # fmt: skip
+    want, want_res = _two_launches(x, nw, res, w, b, silu_mul, DOT_TILE)
+    assert torch.equal(x, x_before), "the input rows were written"
+    assert torch.equal(new_res, want_res), "the new residual is x + residual, rounded once"
+    assert y.shape == want.shape == (rows, n if silu_mul else 2 * n)
+    # The sum of squares is formed a K step at a time here, over the whole
+    # row in the norm kernel: rstd may differ in its last bit, which can move
+    # a normalized value by one step of the dtype.
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    assert (y.float() - want.float()).abs().max().item() <= tol * max(
+        1.0, want.float().abs().max().item()
+    )
+    ref, _ = rms_norm_linear_ref(x, nw, EPS, res, w, b, silu_mul=silu_mul)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    scale = max(1.0, ref.float().abs().max().item())
+    assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * scale)
+
+
 def test_fused_launch_refuses_what_it_cannot_do():
     x, res, nw, w, b = _problem(16, 64, torch.float32, bias=False, residual=True)
-    rows = gemv_tiles.FMA_MAX_M + 1  # past the FMA tile's rows: the MMA tile
-    with pytest.raises(ValueError, match="FMA tile"):
+    rows = MAX_M + 1  # past the skinny kernel's rows
+    with pytest.raises(ValueError, match=f"M must be in 1..{MAX_M}"):
         norm_linear.skinny_rms_norm_linear(x.repeat(rows, 1), nw, EPS, res.repeat(rows, 1), w)
     with pytest.raises(ValueError, match="even row count"):
         norm_linear.skinny_rms_norm_linear(x, nw, EPS, res, w[:15], silu_mul=True)
@@ -103,14 +139,15 @@ def test_fused_launch_refuses_what_it_cannot_do():
     xb = torch.randn(1, big, device=DEVICE)
     with pytest.raises(ValueError, match="K <= one step"):
         norm_linear.skinny_rms_norm_linear(xb, torch.ones(big, device=DEVICE), EPS, None,
-                                           torch.randn(4, big, device=DEVICE))  # fmt: skip
+                                           torch.randn(4, big, device=DEVICE),
+                                           config=gemv_tiles.M1_CONFIG)  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [1, 3, gemv_tiles.FMA_MAX_M + 1])
+@pytest.mark.parametrize("rows", [1, 2, norm_linear.NORM_MAX_M + 1])
 def test_dispatcher_matches_reference(rows, monkeypatch):
-    """Off the GPU, and past the FMA tile's rows, the dispatcher runs the
-    norm kernel and the linear, never the fused launch."""
-    if DEVICE == "cpu" or rows > gemv_tiles.FMA_MAX_M:
+    """Off the GPU, and past NORM_MAX_M rows, the dispatcher runs the norm
+    kernel and the linear, never the fused launch."""
+    if DEVICE == "cpu" or rows > norm_linear.NORM_MAX_M:
 
         def boom(*args, **kwargs):
             raise AssertionError("the fused launch ran")
@@ -149,28 +186,39 @@ def test_invariant_set_rows_do_not_depend_on_the_batch():
 @pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (2048, 2048), (1024, 3072)])
 def test_gpu_model_shapes(n, k):
     """Qwen3-0.6B's norm + linear pairs (and wider K) at bf16 on the GPU."""
-    for silu_mul, rows in ((False, 1), (True, 1), (False, 2), (True, 2), (True, 8)):
+    sms = _num_sms(torch.device(DEVICE))
+    for silu_mul, rows in itertools.product((False, True), (1, 2, 3, 8, 16)):
         x, res, nw, w, b = _problem(n, k, torch.bfloat16, bias=False, residual=True, rows=rows)
-        y, new_res = norm_linear.rms_norm_linear(x, nw, EPS, res, w, silu_mul=silu_mul)
-        want, want_res = _two_launches(x, nw, res, w, None, silu_mul)
-        assert torch.equal(new_res, want_res)
-        diff = (y.float() - want.float()).abs().max().item()
-        assert diff <= 2**-6 * max(1.0, want.float().abs().max().item())
+        cfg = gemv_tiles.pick_config(rows, n, k, sms)
+        want, want_res = _two_launches(x, nw, res, w, None, silu_mul, cfg)
+        runs = [norm_linear.rms_norm_linear(x, nw, EPS, res, w, silu_mul=silu_mul)]
+        if cfg.use_dot:  # the DOT loop's prologue, whatever the dispatcher's bound
+            runs.append(norm_linear.skinny_rms_norm_linear(x, nw, EPS, res, w, silu_mul=silu_mul,
+                                                           config=cfg))  # fmt: skip
+        for y, new_res in runs:
+            assert torch.equal(new_res, want_res)
+            diff = (y.float() - want.float()).abs().max().item()
+            assert diff <= 2**-6 * max(1.0, want.float().abs().max().item())
 
 
 @pytest.mark.gpu
-def test_gpu_engine_with_and_without_the_fused_norm(tmp_path, monkeypatch):
+@pytest.mark.parametrize("num_prompts", [2, 3])  # decode on the FMA tile; on the DOT loop
+def test_gpu_engine_with_and_without_the_fused_norm(num_prompts, tmp_path, monkeypatch):
     """A bf16 Qwen3 (q/k norms, GQA) decoding with CUDA graphs: the fused
     norm + linear against the norm kernel then the linear. Greedy tokens
     equal; log-probs within bf16 noise (a sum of squares reduced in another
-    order can move a normalized value by one bf16 step)."""
+    order can move a normalized value by one bf16 step). Two prompts decode
+    on the FMA tile; three on the DOT loop (a graph of 4 rows), which the
+    dispatcher fuses only when its bound allows (raised here)."""
+    monkeypatch.setattr(norm_linear, "NORM_MAX_M", 16)
     from tests.hf_models import make_tiny_hf_model
     from tinyengine import LLM, SamplingParams
 
-    # Wide enough that both pairs fuse (4+ weight rows a program at 132 SMs).
+    # Wide enough that both pairs fuse: 4+ weight rows a program on the FMA
+    # tile at 132 SMs, and qkv's 2,560 rows not split over K on the DOT loop.
     path = make_tiny_hf_model("qwen3", tmp_path / "qwen3", hidden_size=1024,
                               intermediate_size=1024, num_attention_heads=16,
-                              num_key_value_heads=2, head_dim=64)  # fmt: skip
+                              num_key_value_heads=2, head_dim=128)  # fmt: skip
     launches = []
     fused_launch = norm_linear.skinny_rms_norm_linear
 
@@ -179,7 +227,9 @@ def test_gpu_engine_with_and_without_the_fused_norm(tmp_path, monkeypatch):
         return fused_launch(*args, **kwargs)
 
     monkeypatch.setattr(norm_linear, "skinny_rms_norm_linear", counted)
-    prompts = [{"prompt_token_ids": [3 + i, 41, 7 * i + 2, 19] * (4 + i)} for i in range(3)]
+    prompts = [
+        {"prompt_token_ids": [3 + i, 41, 7 * i + 2, 19] * (4 + i)} for i in range(num_prompts)
+    ]
     params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=2)
     runs = []
     for fused in (True, False):

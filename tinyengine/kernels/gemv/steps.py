@@ -1,9 +1,10 @@
 """The skinny GEMM's device functions (gemv/triton.py's kernel): one K step
 of either inner loop (`k_step`), the RMSNorm prologue's normalized row
-(`rms_normed_row`), and the FMA tile's products against each of a few rows
-(`fma_rows`).
+(`rms_normed_row`) and, for the DOT loop, its rows' rstd (`rms_rstd_rows`)
+and normalized K chunks (`rms_normed_chunk`), and the FMA tile's products
+against each of a few rows (`fma_rows`).
 
-Must never launch anything: these are inlined into _skinny_gemm_kernel.
+Must never launch anything: these are inlined into gemv/kernel.py's kernel.
 """
 
 from __future__ import annotations
@@ -52,6 +53,51 @@ def rms_normed_row(
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1, keep_dims=True) / K + eps)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)  # HF rounds before the weight
+    return (normed * nw).to(x.dtype)
+
+
+@device_fn
+def rms_rstd_rows(
+    x_ptr, res_ptr, offs_m, offs_k, M, K, eps, stride_xm,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """The DOT loop's RMSNorm prologue, first pass: 1 / rms [BLOCK_M, 1] of
+    each row of x (+ residual, rounded to x's dtype as rms_normed_row rounds
+    it) over all of K, summed a BLOCK_K chunk at a time. No stores: a store
+    here would keep the compiler from issuing later steps' loads early."""
+    m_ok = offs_m[:, None] < M
+    sum_sq = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    # Unrolled, so the loads of several steps are in flight together: this
+    # pass sits between the PDL wait and the first product.
+    for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=4):
+        ks = k0 + offs_k[None, :]
+        ok = m_ok & (ks < K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks, mask=ok, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + offs_m[:, None] * K + ks, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)
+        sum_sq += tl.sum(xf * xf, axis=1, keep_dims=True)
+    return 1.0 / tl.sqrt(sum_sq / K + eps)
+
+
+@device_fn
+def rms_normed_chunk(
+    x_ptr, res_ptr, res_out_ptr, nw_ptr, offs_m, ks, ok, rstd, K, stride_xm, pid,
+    HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """The DOT loop's RMSNorm prologue, per K step: rows x [BLOCK_M, BLOCK_K]
+    at columns ks (+ residual, which program 0 stores: the new residual,
+    contiguous [M, K]) scaled by their rstd and the norm weight, rounded
+    step for step as rms_normed_row rounds a whole row."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * K + ks[None, :], mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if pid == 0:
+            tl.store(res_out_ptr + offs_m[:, None] * K + ks[None, :], x, mask=ok)
+    nw = tl.load(nw_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0).to(tl.float32)
+    normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)  # HF rounds before the weight
     return (normed * nw).to(x.dtype)
 
 
