@@ -9,7 +9,7 @@ signature of gemv/reference.py's
 (silu_mul: the linear is a gate_up projection followed by SiLU-and-mul, as
 `linear_silu_mul`). A pre-norm decoder layer runs norm -> linear twice, and
 at a few rows the norm is a launch of its own that reads a few KB and sits
-on the step's critical path. Here the skinny GEMM (gemv/triton.py, its NORM
+on the step's critical path. Here the skinny GEMM (gemv/kernel.py, its NORM
 prologue) does it: every program reads the rows, forms x + residual,
 normalizes them with the norm kernel's rounding steps, and multiplies;
 program 0 stores the new residual. On the FMA tile (1-2 rows, gemv/tiles.py's

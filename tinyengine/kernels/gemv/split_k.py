@@ -1,4 +1,4 @@
-"""The skinny GEMM's split over K (gemv/triton.py's HAS_SPLIT): how a launch
+"""The skinny GEMM's split over K (gemv/kernel.py's HAS_SPLIT): how a launch
 splits and where its scratch comes from (`split_k_plan`, host side), and how
 a tile's slices meet (`sum_slices`, in the kernel).
 

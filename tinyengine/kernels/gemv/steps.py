@@ -1,4 +1,4 @@
-"""The skinny GEMM's device functions (gemv/triton.py's kernel): one K step
+"""The skinny GEMM's device functions (gemv/kernel.py's kernel): one K step
 of either inner loop (`k_step`), the RMSNorm prologue's normalized row
 (`rms_normed_row`) and, for the DOT loop, its rows' rstd (`rms_rstd_rows`)
 and normalized K chunks (`rms_normed_chunk`), and the FMA tile's products
