@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tinyengine.models.loader as loader
-from tests.hf_models import make_tiny_hf_model
-from tests.models.forward_harness import load_tiny
+from tests.hf_models import hf_logits, make_tiny_hf_model
+from tests.models.forward_harness import PagedHarness, load_tiny
 from tinyengine.models.loader import load_hf_config
 from tinyengine.models.registry import get_model_class, supported_architectures
 
@@ -220,19 +220,38 @@ def test_shape_mismatch_names_the_tensor(tmp_path: Path) -> None:
         load_tiny(path)
 
 
-def test_tied_head_ignores_a_saved_lm_head_and_inv_freq(tmp_path: Path) -> None:
+def test_tied_head_ignores_a_saved_copy_and_inv_freq(tmp_path: Path) -> None:
     path = make_tiny_hf_model("qwen2", tmp_path)  # tie_word_embeddings=True
     reference = load_tiny(path)
 
-    def add_junk(tensors: dict[str, torch.Tensor]) -> None:
+    def add_copy(tensors: dict[str, torch.Tensor]) -> None:
         assert "lm_head.weight" not in tensors  # HF does not save the tied copy
-        tensors["lm_head.weight"] = torch.full((512, 64), 7.0)
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
 
-    rewrite_checkpoint(path, add_junk)
+    rewrite_checkpoint(path, add_copy)
     model = load_tiny(path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+
+def test_tied_config_with_a_different_saved_head_loads_untied_as_hf(tmp_path: Path) -> None:
+    """transformers unties a tied model whose checkpoint stores an LM head of
+    other values (and uses it); the engine's logits follow."""
+    path = make_tiny_hf_model("qwen2", tmp_path)  # tie_word_embeddings=True
+
+    def add_head(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] * 0.5 + 0.01
+
+    rewrite_checkpoint(path, add_head)
+    model = load_tiny(path)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    saved = load_file(path / "model.safetensors")
+    assert torch.equal(model.lm_head.weight, saved["lm_head.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
+    ids = [5, 9, 11, 3, 200, 17]
+    got = PagedHarness(model, block_size=8, num_blocks=4).step({0: ids})[0]
+    torch.testing.assert_close(got, hf_logits(path, ids), atol=1e-4, rtol=0)
 
 
 def test_untied_head_is_loaded_separately(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from tinyengine.models.pinned_reader import (
     read_to_device,
 )
 from tinyengine.models.registry import get_model_class
+from tinyengine.models.tied_head import keeps_tie
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
@@ -116,6 +117,8 @@ def load_model(
         raise ValueError(f"load_format={load_format!r}: choose auto, safetensors or dummy")
     # Find the weights before building: a pickle-only folder fails fast.
     weight_map = checkpoint_weight_map(folder) if load_format == "safetensors" else {}
+    if hf_config.get("tie_word_embeddings") and not keeps_tie(folder, weight_map):
+        hf_config = {**hf_config, "tie_word_embeddings": False}  # the stored head is used
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, tp_rank, tp_size, **ep)
     if on_built is not None:
@@ -350,7 +353,7 @@ def _skipped(ckpt_name: str, num_hidden_layers: int, tied: bool) -> bool:
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
         return True
     if tied and ckpt_name == "lm_head.weight":
-        return True  # the embedding is the head; a saved copy would be redundant
+        return True  # the embedding is the head; a saved copy equals it (models/tied_head.py)
     match = _LAYER_RE.search(ckpt_name)
     return match is not None and int(match.group(1)) >= num_hidden_layers
 
