@@ -1,9 +1,10 @@
 """Skinny GEMM benchmark: cuBLAS (F.linear) vs the Triton skinny kernel
 (tinyengine/kernels/gemv/triton.py) on a model's decode shapes (Llama-3-8B at
 M in {1, 2, 4, 8}; qwen3-0.6b at M in {1, 8, 16, 32, 64, 256}, past the
-kernel's 64 rows cuBLAS alone), plus a config sweep (M == 1, and a smaller
-one for M == 8) printing the best config per shape and a SHAPE_CONFIGS
-snippet to paste into tinyengine/kernels/gemv/tiles.py.
+kernel's 64 rows cuBLAS alone), plus a config sweep (M == 1, a smaller
+one for M == 8, and for qwen3-0.6b DOT tiles split over K at 16 / 32 / 64
+rows) printing the best config per shape and a SHAPE_CONFIGS snippet to
+paste into tinyengine/kernels/gemv/tiles.py.
 
     python benchmarks/bench_gemv.py              # everything (under two minutes)
     python benchmarks/bench_gemv.py --no-sweep   # comparison only
@@ -23,6 +24,7 @@ bytes only (2*N*K; x and y are < 0.2% of it). A script: asserts nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinyengine.kernels.gemv.tiles import GemvConfig, pick_config  # noqa: E402
-from tinyengine.kernels.gemv.triton import MAX_M, skinny_linear  # noqa: E402
+from tinyengine.kernels.gemv.triton import (  # noqa: E402
+    DISPATCH_MAX_BYTES_MULTI_ROW,
+    MAX_M,
+    skinny_linear,
+)
 from tinyengine.kernels.workspace import Workspace  # noqa: E402
 
 SHAPES = [  # (name, N, K): Llama-3-8B, tp=1
@@ -98,6 +104,24 @@ SWEEP_M8 = [
     dot(32, 256, 4, 4),
     dot(16, 512, 4, 4),
 ]
+# 16-64 rows (--model qwen3-0.6b, whose matrices the DOT loop serves up to
+# MAX_M): tile width, K step and stages, each unsplit and split over K in
+# 2 / 4 / 8 slices of whole K steps (the engine's split runs with a workspace).
+SWEEP_MANY_ROWS = [16, 32, 64]
+SWEEP_MANY = [
+    dataclasses.replace(dot(bn, bk, 4, st), split_k=sp)
+    for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4) for sp in (1, 2, 4, 8)
+]  # fmt: skip
+
+
+def _whole_steps(configs: list[GemvConfig], k: int) -> list[GemvConfig]:
+    """The configs whose K slices are whole K steps of at least two (as the
+    engine's split rule makes them)."""
+
+    def whole(c: GemvConfig) -> bool:
+        return k % (c.split_k * c.block_k) == 0 and k // c.split_k >= 2 * c.block_k
+
+    return [c for c in configs if c.split_k == 1 or whole(c)]
 
 
 def bench_ms(fn, rep: int) -> float:
@@ -128,6 +152,11 @@ def dry_run(num_sms: int) -> None:
             print(f"  {name:<8} M={m}: {cfg}  ({progs} programs)")
     print("M=1 sweep:", *[f"  {c}" for c in SWEEP_M1], sep="\n")
     print("M=8 sweep:", *[f"  {c}" for c in SWEEP_M8], sep="\n")
+    if max(MS) > 8:
+        print(
+            f"M in {SWEEP_MANY_ROWS} sweep: {len(SWEEP_MANY)} DOT tiles (those whose split "
+            "slices are not whole K steps skipped per shape)"
+        )
 
 
 def main() -> None:
@@ -160,6 +189,7 @@ def main() -> None:
     def skinny(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return skinny_linear(a, b, workspace=arena)
 
+    best_many: dict[int, dict[str, tuple[float, GemvConfig]]] = {}
     best1: dict[str, tuple[float, GemvConfig]] = {}
     best8: dict[str, tuple[float, GemvConfig]] = {}
     default_us: dict[tuple[str, int], float] = {}
@@ -193,7 +223,11 @@ def main() -> None:
                 flush=True,
             )
         if not args.no_sweep:
-            for m, sweep, best in ((1, SWEEP_M1, best1), (8, SWEEP_M8, best8)):
+            sweeps = [(1, SWEEP_M1, best1), (8, SWEEP_M8, best8)]
+            if max(MS) > 8 and 2 * n * k <= DISPATCH_MAX_BYTES_MULTI_ROW:  # the DOT loop's rows
+                sweeps += [(m, _whole_steps(SWEEP_MANY, k), best_many.setdefault(m, {}))
+                           for m in SWEEP_MANY_ROWS]  # fmt: skip
+            for m, sweep, best in sweeps:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 ref32 = x.float() @ ws[0].float().T
                 rep = max(5, args.rep // 2)
@@ -224,7 +258,7 @@ def main() -> None:
         print(f"  M={m}: cuBLAS {cb / 1e3:.3f}  skinny {sk / 1e3:.3f}  saves {(cb - sk) / 1e3:.3f}")
     floor = LAYERS * sum(2 * n * k for s, n, k in SHAPES[:4]) + 2 * SHAPES[4][1] * SHAPES[4][2]
     print(f"  weight-read floor at {READ_TBS} TB/s: {floor / READ_TBS / 1e9:.3f} ms")
-    for m, best in ((1, best1), (8, best8)):
+    for m, best in ((1, best1), (8, best8), *sorted(best_many.items())):
         if not best:
             continue
         print(f"\nbest M={m} config per shape (vs the default pick):")
@@ -238,13 +272,16 @@ def main() -> None:
                     f"  {name:<8} {cfg}: {us:.1f} us ({tbs(n, k, us):.2f} TB/s), default {d:.1f} us"
                 )
         print(f"  per-token linear time with the best configs: {total_best / 1e3:.3f} ms")
-        print(f"  paste into tinyengine/kernels/gemv/tiles.py SHAPE_CONFIGS (m_bucket {m}):")
+        bucket = 1 if m == 1 else 8  # SHAPE_CONFIGS keys 2-64 rows as one bucket
+        print(f"  paste into tinyengine/kernels/gemv/tiles.py SHAPE_CONFIGS (m_bucket {bucket}"
+              f"{'' if m in (1, 8) else f', measured at {m} rows'}):")  # fmt: skip
         for name, n, k in SHAPES:
             if name in best:
                 c = best[name][1]
                 print(
-                    f"    ({m}, {n}, {k}): GemvConfig({c.block_n}, {c.block_k}, {c.num_warps}, "
-                    f"{c.num_stages}, {c.use_dot}, {c.reduce_each_step}),"
+                    f"    ({bucket}, {n}, {k}): GemvConfig({c.block_n}, {c.block_k}, "
+                    f"{c.num_warps}, {c.num_stages}, {c.use_dot}, {c.reduce_each_step}, "
+                    f"{c.split_k}),"
                 )
     print(f"\ntotal {time.time() - t0:.0f} s")
 

@@ -31,3 +31,10 @@ def test_qwen_rows_past_the_kernel_get_no_config() -> None:
     out = _dry_run("--model", "qwen3-0.6b")
     assert "o_proj   M=64: dot BN=32 BK=128 w=4 s=4 split=5" in out
     assert "M=256:" not in out
+
+
+def test_many_row_sweep_only_where_the_model_has_those_rows() -> None:
+    # qwen3-0.6b's rows reach 64 on the DOT loop: its sweep covers 16-64 rows
+    # with tiles split over K; Llama-3-8B's stop at 8.
+    assert "M in [16, 32, 64] sweep: 48 DOT tiles" in _dry_run("--model", "qwen3-0.6b")
+    assert "M in [16, 32, 64]" not in _dry_run("--model", "llama3-8b")
