@@ -139,7 +139,7 @@ def _skinny_gemm_kernel(
                 NORM_RESIDUAL,
             )  # fmt: skip
             xk = rms_normed_chunk(
-                x_ptr, res_ptr, res_out_ptr, nw_ptr, offs_m, offs_k, m_mask & k_ok, rstd, K,
+                x_ptr, res_ptr, res_out_ptr, nw, offs_m, offs_k, m_mask & k_ok, rstd, K,
                 stride_xm, pid, NORM_RESIDUAL,
             )  # fmt: skip
         elif NORM:
@@ -159,24 +159,22 @@ def _skinny_gemm_kernel(
     # only when asked explicitly; LOOP_STAGES == 1 keeps plain register loads).
     if not FMA_ROWS:
         for k0 in tl.range(k_first, k_len, BLOCK_K, num_stages=LOOP_STAGES):
+            k_mask = (k0 + offs_k)[None, :] < k_len
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
             if NORM and USE_DOT:  # the prologue per step (FMA: one step, none left)
-                ks = k0 + offs_k
-                k_ok = ks[None, :] < K
-                if EVEN_K:
-                    w = tl.load(w_ptrs, eviction_policy="evict_first")
-                else:
-                    w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
+                ks = k0 + offs_k  # a norm launch is never split: k_len is K
+                nw = tl.load(nw_ptr + ks[None, :], mask=k_mask, other=0.0).to(tl.float32)
                 xk = rms_normed_chunk(
-                    x_ptr, res_ptr, res_out_ptr, nw_ptr, offs_m, ks, m_mask & k_ok, rstd, K,
+                    x_ptr, res_ptr, res_out_ptr, nw, offs_m, ks, m_mask & k_mask, rstd, K,
                     stride_xm, pid, NORM_RESIDUAL,
                 )  # fmt: skip
             elif EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
                 xk = tl.load(x_ptrs, mask=m_mask, other=0.0)
             else:
-                k_mask = (k0 + offs_k) < k_len
-                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-                xk = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
+                xk = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
             acc = k_step(acc, w, xk, USE_DOT, REDUCE_EACH_STEP, DOT_PRECISION, UPCAST)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K

@@ -38,6 +38,20 @@ def k_step(
 
 
 @device_fn
+def _with_residual(x, r):
+    """x + residual, rounded to x's dtype: the norm kernel's new residual."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@device_fn
+def _normed(x, rstd, nw):
+    """x * rstd rounded to x's dtype, then times the norm weight nw (fp32)
+    and rounded again: HF rounds before the weight, as the norm kernel does."""
+    normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+    return (normed * nw).to(x.dtype)
+
+
+@device_fn
 def rms_normed_row(
     x_ptrs, res_ptr, res_out_ptr, nw, offs_k, k_ok, K, eps, pid, HAS_RESIDUAL: tl.constexpr
 ):  # fmt: skip
@@ -46,14 +60,11 @@ def rms_normed_row(
     program 0 stores the sum x + residual (the new residual)."""
     x = tl.load(x_ptrs, mask=k_ok, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + offs_k[None, :], mask=k_ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        x = _with_residual(x, tl.load(res_ptr + offs_k[None, :], mask=k_ok, other=0.0))
         if pid == 0:
             tl.store(res_out_ptr + offs_k[None, :], x, mask=k_ok)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1, keep_dims=True) / K + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)  # HF rounds before the weight
-    return (normed * nw).to(x.dtype)
+    return _normed(x, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1, keep_dims=True) / K + eps), nw)
 
 
 @device_fn
@@ -74,8 +85,7 @@ def rms_rstd_rows(
         ok = m_ok & (ks < K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks, mask=ok, other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + offs_m[:, None] * K + ks, mask=ok, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            x = _with_residual(x, tl.load(res_ptr + offs_m[:, None] * K + ks, mask=ok, other=0.0))
         xf = x.to(tl.float32)
         sum_sq += tl.sum(xf * xf, axis=1, keep_dims=True)
     return 1.0 / tl.sqrt(sum_sq / K + eps)
@@ -83,22 +93,20 @@ def rms_rstd_rows(
 
 @device_fn
 def rms_normed_chunk(
-    x_ptr, res_ptr, res_out_ptr, nw_ptr, offs_m, ks, ok, rstd, K, stride_xm, pid,
+    x_ptr, res_ptr, res_out_ptr, nw, offs_m, ks, ok, rstd, K, stride_xm, pid,
     HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """The DOT loop's RMSNorm prologue, per K step: rows x [BLOCK_M, BLOCK_K]
     at columns ks (+ residual, which program 0 stores: the new residual,
-    contiguous [M, K]) scaled by their rstd and the norm weight, rounded
-    step for step as rms_normed_row rounds a whole row."""
+    contiguous [M, K]) scaled by their rstd and the chunk's norm weight nw
+    (fp32), rounded step for step as rms_normed_row rounds a whole row."""
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=ok, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs_m[:, None] * K + ks[None, :], mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        x = _with_residual(x, r)
         if pid == 0:
             tl.store(res_out_ptr + offs_m[:, None] * K + ks[None, :], x, mask=ok)
-    nw = tl.load(nw_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0).to(tl.float32)
-    normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)  # HF rounds before the weight
-    return (normed * nw).to(x.dtype)
+    return _normed(x, rstd, nw)
 
 
 @device_fn
